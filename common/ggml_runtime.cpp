@@ -1,0 +1,171 @@
+#include "ggml_runtime.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace ggml_kernels {
+namespace {
+
+// Best first. Names and required features match VARIANTS in tools/ggml_runtime.py.
+bool has_haswell() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+}
+bool has_skylakex() {
+  return has_haswell() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw");
+}
+bool has_zen4() {
+  return has_skylakex() && __builtin_cpu_supports("avx512vbmi") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
+}
+bool has_x64() { return true; }
+
+struct Variant {
+  const char* name;
+  bool (*supported)();
+};
+constexpr Variant kVariants[] = {
+    {"zen4", has_zen4}, {"skylakex", has_skylakex}, {"haswell", has_haswell}, {"x64", has_x64}};
+
+struct Runtime {
+  GgmlApi api;
+  std::string variant;
+  std::string path;
+};
+
+std::string this_library_dir() {
+  Dl_info info{};
+  TORCH_CHECK(dladdr(reinterpret_cast<void*>(&this_library_dir), &info) && info.dli_fname,
+              "ggml-kernels: cannot locate the extension library on disk");
+  std::string file = info.dli_fname;
+  auto slash = file.rfind('/');
+  return slash == std::string::npos ? std::string(".") : file.substr(0, slash);
+}
+
+bool file_exists(const std::string& p) {
+  struct stat st{};
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+Runtime* load_runtime() {
+  const std::string dir = this_library_dir();
+  const char* forced = std::getenv("GGML_KERNELS_CPU_VARIANT");
+  std::string tried;
+  for (const auto& v : kVariants) {
+    if (forced && *forced && std::strcmp(forced, v.name) != 0) continue;
+    const std::string path = dir + "/libggml-kernels-cpu-" + v.name + ".so";
+    if (!v.supported()) {
+      TORCH_CHECK(!(forced && *forced), "GGML_KERNELS_CPU_VARIANT=", forced,
+                  ": this CPU lacks the instructions that variant needs");
+      continue;
+    }
+    if (!file_exists(path)) {
+      tried += " " + path + " (missing)";
+      continue;
+    }
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+      tried += " " + path + " (" + dlerror() + ")";
+      continue;
+    }
+    auto* rt = new Runtime();
+    rt->variant = v.name;
+    rt->path = path;
+#define GGML_KERNELS_RESOLVE(name)                                                        \
+  rt->api.name = reinterpret_cast<decltype(rt->api.name)>(dlsym(handle, #name));          \
+  TORCH_CHECK(rt->api.name != nullptr, "ggml-kernels: ", path, " does not export " #name);
+    GGML_KERNELS_API_FUNCTIONS(GGML_KERNELS_RESOLVE)
+#undef GGML_KERNELS_RESOLVE
+    rt->api.ggml_cpu_init();
+    return rt;  // lives for the whole process, like the library itself
+  }
+  TORCH_CHECK(false, "ggml-kernels: no usable ggml CPU runtime",
+              forced ? std::string(" for GGML_KERNELS_CPU_VARIANT=") + forced : std::string(),
+              " in ", dir, ":", tried);
+}
+
+Runtime& runtime() {
+  static Runtime* rt = load_runtime();  // thread-safe, retried on the next call if it threw
+  return *rt;
+}
+
+// ggml's threadpool and work buffer, reused across calls.
+struct Pool {
+  std::mutex mu;
+  ggml_threadpool* threadpool = nullptr;
+  int n_threads = 0;
+  uint32_t poll = 0;
+  std::unique_ptr<uint8_t, decltype(&std::free)> work{nullptr, &std::free};
+  size_t work_size = 0;
+};
+
+Pool& pool() {
+  static Pool* p = [] {
+    auto* created = new Pool();
+    // A forked child has none of the parent's worker threads: forget the pool there (leaking it),
+    // so the child builds its own on first use instead of waiting on threads that do not exist.
+    pthread_atfork(nullptr, nullptr, [] {
+      Pool& pl = pool();
+      new (&pl.mu) std::mutex();
+      pl.threadpool = nullptr;
+      pl.n_threads = 0;
+    });
+    return created;
+  }();
+  return *p;
+}
+
+uint32_t poll_level() {
+  // ggml's polling level (0 = sleep right away between graphs, 100 = spin hardest).
+  const char* env = std::getenv("GGML_KERNELS_POLL");
+  if (env && *env) return static_cast<uint32_t>(std::clamp(std::atoi(env), 0, 100));
+  return 50;
+}
+
+}  // namespace
+
+const GgmlApi& ggml() { return runtime().api; }
+std::string cpu_variant() { return runtime().variant; }
+std::string runtime_path() { return runtime().path; }
+
+void compute_graph(ggml_cgraph* graph) {
+  const GgmlApi& G = ggml();
+  const int n_threads = std::max(1, std::min(at::get_num_threads(), GGML_MAX_N_THREADS));
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  const uint32_t poll = poll_level();
+  if (p.threadpool == nullptr || p.n_threads != n_threads || p.poll != poll) {
+    if (p.threadpool) G.ggml_threadpool_free(p.threadpool);
+    ggml_threadpool_params params = G.ggml_threadpool_params_default(n_threads);
+    params.poll = poll;
+    p.threadpool = G.ggml_threadpool_new(&params);
+    TORCH_CHECK(p.threadpool != nullptr, "ggml-kernels: could not start ggml's threadpool");
+    p.n_threads = n_threads;
+    p.poll = poll;
+  }
+  ggml_cplan plan = G.ggml_graph_plan(graph, n_threads, p.threadpool);
+  if (plan.work_size > p.work_size) {
+    const size_t size = (plan.work_size + 63) / 64 * 64;
+    p.work.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size)));
+    TORCH_CHECK(p.work != nullptr, "ggml-kernels: out of memory for a ", size, "-byte work buffer");
+    p.work_size = size;
+  }
+  plan.work_data = p.work.get();
+  const ggml_status status = G.ggml_graph_compute(graph, &plan);
+  TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-kernels: ggml_graph_compute failed with status ",
+              static_cast<int>(status));
+}
+
+}  // namespace ggml_kernels

@@ -1,0 +1,56 @@
+// The ggml CPU runtime as seen by a package's extension.
+//
+// ggml-base + ggml-cpu are built once per x86-64 feature level (tools/ggml_runtime.py) into
+// libggml-kernels-cpu-<variant>.so next to the extension. At first use the best variant the running
+// CPU supports is loaded with dlopen(RTLD_LOCAL) and ggml's C API is reached through the function
+// table below, so no ggml symbol of ours can clash with another ggml in the same process.
+//
+// Usage:   const auto& G = ggml_kernels::ggml();   G.ggml_mul_mat(ctx, a, b);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+namespace ggml_kernels {
+
+// Every ggml function a package may call. The member types come from ggml's own headers
+// (decltype), so a signature can never drift from the pinned ggml.
+#define GGML_KERNELS_API_FUNCTIONS(X)                                                              \
+  X(ggml_init) X(ggml_free) X(ggml_tensor_overhead) X(ggml_graph_overhead_custom)                  \
+  X(ggml_new_tensor) X(ggml_new_tensor_1d) X(ggml_new_tensor_2d) X(ggml_new_tensor_3d)             \
+  X(ggml_new_tensor_4d) X(ggml_view_1d) X(ggml_view_2d) X(ggml_view_3d) X(ggml_view_4d)             \
+  X(ggml_reshape_2d) X(ggml_reshape_3d) X(ggml_reshape_4d) X(ggml_permute) X(ggml_cont) X(ggml_cpy) \
+  X(ggml_mul_mat) X(ggml_mul_mat_id) X(ggml_get_rows) X(ggml_new_graph_custom)                      \
+  X(ggml_build_forward_expand) X(ggml_graph_n_nodes) X(ggml_graph_node) X(ggml_nbytes)             \
+  X(ggml_row_size) X(ggml_blck_size) X(ggml_type_size) X(ggml_type_name) X(ggml_is_quantized)      \
+  X(ggml_get_type_traits) X(ggml_quantize_chunk) X(ggml_quantize_requires_imatrix)                 \
+  X(ggml_quantize_init) X(ggml_validate_row_data) X(ggml_set_abort_callback) X(ggml_version)       \
+  X(ggml_commit) X(ggml_cpu_init) X(ggml_get_type_traits_cpu) X(ggml_graph_plan)                   \
+  X(ggml_graph_compute) X(ggml_threadpool_new) X(ggml_threadpool_free)                             \
+  X(ggml_threadpool_params_default) X(ggml_rms_norm) X(ggml_norm) X(ggml_mul) X(ggml_add)          \
+  X(ggml_l2_norm) X(ggml_soft_max_ext) X(ggml_top_k) X(ggml_argsort) X(ggml_argsort_top_k)         \
+  X(ggml_flash_attn_ext) X(ggml_flash_attn_ext_set_prec) X(ggml_ssm_conv) X(ggml_gated_delta_net)  \
+  X(ggml_silu)
+
+struct GgmlApi {
+#define GGML_KERNELS_MEMBER(name) decltype(&::name) name = nullptr;
+  GGML_KERNELS_API_FUNCTIONS(GGML_KERNELS_MEMBER)
+#undef GGML_KERNELS_MEMBER
+};
+
+// The loaded runtime (loads it on first call; throws a c10::Error if no variant can be loaded).
+const GgmlApi& ggml();
+
+// Name of the loaded CPU variant ("zen4", "skylakex", "haswell", "x64") and its file.
+std::string cpu_variant();
+std::string runtime_path();
+
+// Runs `graph` on ggml's CPU threadpool with as many threads as torch uses (at::get_num_threads()).
+// The threadpool and the work buffer persist between calls; calls are serialised.
+void compute_graph(ggml_cgraph* graph);
+
+}  // namespace ggml_kernels

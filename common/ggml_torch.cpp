@@ -1,0 +1,170 @@
+#include "ggml_torch.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace ggml_kernels {
+
+// ---------------------------------------------------------------------------------------------
+// checks
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, " is required, got None");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU for this backend, got ",
+                    t.device());
+}
+
+void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed,
+                 const char* name) {
+  for (auto dt : allowed)
+    if (t.scalar_type() == dt) return;
+  std::string want;
+  for (auto dt : allowed) want += (want.empty() ? "" : ", ") + std::string(c10::toString(dt));
+  TORCH_CHECK_TYPE(false, name, " must have dtype ", want, "; got ", t.scalar_type());
+}
+
+void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), name,
+                    " must be contiguous (call .contiguous() first); got strides ", t.strides());
+}
+
+namespace {
+constexpr int kStorageTypes[] = {0,  1,  2,  3,  6,  7,  8,  10, 11, 12, 13, 14, 16, 17, 18, 19,
+                                 20, 21, 22, 23, 29, 30, 34, 35, 39, 40, 41, 42};
+}
+
+ggml_type check_storage_type(int64_t type_id) {
+  const bool known = std::find(std::begin(kStorageTypes), std::end(kStorageTypes), type_id) !=
+                     std::end(kStorageTypes);
+  TORCH_CHECK_VALUE(known, "unknown or unsupported ggml type id ", type_id,
+                    " (GGUF storage types are 0-3, 6-8, 10-14, 16-23, 29, 30, 34, 35, 39-42)");
+  return static_cast<ggml_type>(type_id);
+}
+
+int64_t packed_row_bytes(ggml_type type, int64_t cols) {
+  const auto& G = ggml();
+  const int64_t block = G.ggml_blck_size(type);
+  TORCH_CHECK_VALUE(cols > 0, "cols must be positive, got ", cols);
+  TORCH_CHECK_VALUE(cols % block == 0, "cols=", cols, " is not a multiple of the ",
+                    G.ggml_type_name(type), " block size ", block);
+  return static_cast<int64_t>(G.ggml_row_size(type, cols));
+}
+
+void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name) {
+  check_cpu(blocks, name);
+  check_dtype(blocks, {at::kByte}, name);
+  TORCH_CHECK_VALUE(blocks.dim() >= 2, name, " must be (rows, row_bytes) packed GGUF data, got shape ",
+                    blocks.sizes());
+  const int64_t rb = packed_row_bytes(type, cols);
+  TORCH_CHECK_VALUE(blocks.size(-1) == rb, name, " has ", blocks.size(-1), " bytes per row but ",
+                    ggml().ggml_type_name(type), " rows of ", cols, " values take ", rb, " bytes");
+  check_contiguous(blocks, name);
+}
+
+void check_indices(const at::Tensor& idx, int64_t limit, const char* name) {
+  if (idx.numel() == 0) return;
+  auto [lo, hi] = at::aminmax(idx);
+  const int64_t mn = lo.item<int64_t>(), mx = hi.item<int64_t>();
+  TORCH_CHECK_INDEX(mn >= 0 && mx < limit, name, " out of range: values must lie in [0, ", limit,
+                    "), got min ", mn, ", max ", mx);
+}
+
+ggml_type ggml_type_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return GGML_TYPE_F32;
+    case at::kHalf: return GGML_TYPE_F16;
+    case at::kBFloat16: return GGML_TYPE_BF16;
+    case at::kInt: return GGML_TYPE_I32;
+    case at::kLong: return GGML_TYPE_I64;
+    case at::kChar: return GGML_TYPE_I8;
+    case at::kShort: return GGML_TYPE_I16;
+    case at::kDouble: return GGML_TYPE_F64;
+    default: TORCH_CHECK_TYPE(false, "ggml has no type for torch dtype ", dtype);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Graph
+
+namespace {
+thread_local std::vector<uint8_t> t_ctx_buffer;
+}
+
+Graph::Graph(int max_tensors) : graph_size_(std::max(16, max_tensors)) {
+  const auto& G = ggml();
+  const size_t size = G.ggml_tensor_overhead() * static_cast<size_t>(max_tensors) +
+                      G.ggml_graph_overhead_custom(graph_size_, false) + 1024;
+  if (t_ctx_buffer.size() < size) t_ctx_buffer.resize(size);
+  ggml_init_params params{};
+  params.mem_size = size;
+  params.mem_buffer = t_ctx_buffer.data();
+  params.no_alloc = true;
+  ctx_ = G.ggml_init(params);
+  TORCH_CHECK(ctx_ != nullptr, "ggml-kernels: ggml_init failed");
+}
+
+Graph::~Graph() {
+  if (ctx_) ggml().ggml_free(ctx_);
+}
+
+ggml_tensor* Graph::view(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() >= 1 && t.dim() <= 4, "ggml tensors have 1 to 4 dims, got shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) == 1, "the last dim must be dense, got strides ",
+                    t.strides());
+  const ggml_type type = ggml_type_of(t.scalar_type());
+  const int64_t es = static_cast<int64_t>(t.element_size());
+  int64_t ne[4] = {1, 1, 1, 1};
+  const int nd = static_cast<int>(t.dim());
+  for (int i = 0; i < nd; ++i) ne[i] = t.size(nd - 1 - i);
+  ggml_tensor* g = ggml().ggml_new_tensor(ctx_, type, 4, ne);
+  g->nb[0] = static_cast<size_t>(es);
+  for (int i = 1; i < 4; ++i) {
+    g->nb[i] = i < nd ? static_cast<size_t>(t.stride(nd - 1 - i) * es) : g->nb[i - 1] * ne[i - 1];
+  }
+  g->data = t.data_ptr();
+  return g;
+}
+
+ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t cols) {
+  TORCH_CHECK_VALUE(blocks.dim() == 2 || blocks.dim() == 3, "packed weights are 2-D or 3-D, got ",
+                    blocks.sizes());
+  const int64_t rows = blocks.size(-2);
+  const int64_t experts = blocks.dim() == 3 ? blocks.size(0) : 1;
+  ggml_tensor* g = ggml().ggml_new_tensor_3d(ctx_, type, cols, rows, experts);
+  TORCH_CHECK(static_cast<int64_t>(g->nb[1]) == blocks.size(-1), "ggml-kernels: row size mismatch");
+  g->data = blocks.data_ptr();
+  return g;
+}
+
+void Graph::compute(ggml_tensor* result, const at::Tensor& dst) {
+  const auto& G = ggml();
+  TORCH_CHECK(dst.is_contiguous() && static_cast<size_t>(dst.nbytes()) == G.ggml_nbytes(result),
+              "ggml-kernels: output buffer does not match the graph result (", dst.nbytes(),
+              " vs ", G.ggml_nbytes(result), " bytes)");
+  if (dst.numel() == 0) return;
+  result->data = dst.data_ptr();
+  ggml_cgraph* graph = G.ggml_new_graph_custom(ctx_, graph_size_, false);
+  G.ggml_build_forward_expand(graph, result);
+  const int n = G.ggml_graph_n_nodes(graph);
+  for (int i = 0; i < n; ++i) {  // give every intermediate result memory, in graph order
+    ggml_tensor* node = G.ggml_graph_node(graph, i);
+    if (node->data != nullptr) continue;
+    if (node->view_src != nullptr) {
+      node->data = static_cast<char*>(node->view_src->data) + node->view_offs;
+    } else {
+      keep_alive_.push_back(at::empty({static_cast<int64_t>(G.ggml_nbytes(node)) + 64}, at::kByte));
+      const auto addr = reinterpret_cast<uintptr_t>(keep_alive_.back().data_ptr());
+      node->data = reinterpret_cast<void*>((addr + 63) & ~uintptr_t(63));
+    }
+  }
+  compute_graph(graph);
+}
+
+}  // namespace ggml_kernels

@@ -1,0 +1,58 @@
+// torch <-> ggml glue shared by every package: argument checks that raise clear Python exceptions,
+// ggml tensor headers that view torch memory (no copies), and one-call graph execution.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "ggml_runtime.h"
+
+namespace ggml_kernels {
+
+// ---- argument checks (TORCH_CHECK_* map to TypeError / ValueError / IndexError in Python) ----
+void check_cpu(const at::Tensor& t, const char* name);
+void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed, const char* name);
+void check_dim(const at::Tensor& t, int64_t dim, const char* name);
+void check_contiguous(const at::Tensor& t, const char* name);
+// Storage types (GGUF tensor types) the pinned ggml can hold; anything else raises ValueError.
+ggml_type check_storage_type(int64_t type_id);
+// Bytes of one packed row of `cols` elements; ValueError if cols is not a multiple of the block.
+int64_t packed_row_bytes(ggml_type type, int64_t cols);
+// blocks: uint8, CPU, contiguous, last dim == packed_row_bytes(type, cols).
+void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name);
+// Every value of an integer tensor lies in [0, limit); IndexError naming the first offender if not.
+void check_indices(const at::Tensor& idx, int64_t limit, const char* name);
+
+ggml_type ggml_type_of(at::ScalarType dtype);
+
+// ---- one ggml graph whose leaves view torch tensors ----
+class Graph {
+ public:
+  explicit Graph(int max_tensors = 64);
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  ggml_context* ctx() const { return ctx_; }
+
+  // A ggml tensor over a torch tensor's memory, dims reversed (ggml lists the fastest first).
+  // The innermost dim must be dense; other strides are kept as they are (at most 4 dims).
+  ggml_tensor* view(const at::Tensor& t);
+  // A packed GGUF weight: blocks uint8 (rows, row_bytes) or (experts, rows, row_bytes) as ggml
+  // tensor {cols, rows[, experts]} of `type`.
+  ggml_tensor* packed(const at::Tensor& blocks, ggml_type type, int64_t cols);
+
+  // Computes `result` straight into `dst` (contiguous, same number of bytes as `result`).
+  // Intermediate results are allocated as torch tensors that live as long as this Graph.
+  void compute(ggml_tensor* result, const at::Tensor& dst);
+
+ private:
+  ggml_context* ctx_ = nullptr;
+  std::vector<at::Tensor> keep_alive_;
+  int graph_size_;
+};
+
+}  // namespace ggml_kernels

@@ -1,0 +1,200 @@
+// ggml-quantization on the CPU: every op runs ggml-cpu's own code on views of the torch tensors.
+//
+// mul_mat / mul_mat_id are one-op ggml graphs, so the numerics are llama.cpp's CPU backend's:
+// activation rows are quantized to the weight type's vec_dot_type, then ggml's SIMD dot products
+// (or llamafile's sgemm for larger batches) run on ggml's threadpool. dequantize / get_rows /
+// quantize call ggml's per-type row converters directly, rows spread over torch's threads.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "ggml_torch.h"
+#include "torch_binding.h"
+
+using namespace ggml_kernels;
+
+namespace {
+
+// Values per packed row, from the row's byte size; ValueError if it is not whole blocks.
+int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
+  const auto& G = ggml();
+  const int64_t rb = blocks.size(-1);
+  const int64_t ts = static_cast<int64_t>(G.ggml_type_size(type));
+  TORCH_CHECK_VALUE(rb > 0 && rb % ts == 0, name, " rows of ", rb, " bytes are not a whole number of ",
+                    G.ggml_type_name(type), " blocks (", ts, " bytes each)");
+  return rb / ts * G.ggml_blck_size(type);
+}
+
+void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks, ggml_type type) {
+  check_cpu(x, "x");
+  check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
+  check_dim(x, 2, "x");
+  TORCH_CHECK_VALUE(x.size(1) == k, "x has ", x.size(1), " features (shape ", x.sizes(),
+                    ") but the ", ggml().ggml_type_name(type), " weight rows hold ", k,
+                    " values (", blocks.size(-1), " bytes)");
+}
+
+void check_out_dtype(at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "dtype must be float32, float16 or bfloat16, got ", dtype);
+}
+
+// Dequantizes packed rows `row_ids[i]` (or i when row_ids is null) into out (n, cols) float32.
+void rows_to_float(const at::Tensor& blocks, ggml_type type, int64_t cols, const int64_t* row_ids,
+                   int64_t n, float* out) {
+  const auto to_float = ggml().ggml_get_type_traits(type)->to_float;
+  TORCH_CHECK(to_float != nullptr, "ggml has no dequantizer for ", ggml().ggml_type_name(type));
+  const auto* base = static_cast<const uint8_t*>(blocks.data_ptr());
+  const int64_t rb = blocks.size(-1);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / cols);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = row_ids ? row_ids[i] : i;
+      to_float(base + r * rb, out + i * cols, cols);
+    }
+  });
+}
+
+// Packed rows of a float type reinterpreted as a (rows, cols) tensor of that dtype (no copy).
+at::Tensor float_view(const at::Tensor& blocks, ggml_type type, int64_t cols) {
+  const at::ScalarType dt = type == GGML_TYPE_F32   ? at::kFloat
+                            : type == GGML_TYPE_F16 ? at::kHalf
+                                                    : at::kBFloat16;
+  return blocks.view(dt).view({blocks.size(0), cols});
+}
+
+bool is_float_type(ggml_type t) {
+  return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+}  // namespace
+
+at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
+                       int64_t out_features) {
+  const ggml_type type = check_storage_type(type_id);
+  check_cpu(blocks, "blocks");
+  check_dtype(blocks, {at::kByte}, "blocks");
+  check_dim(blocks, 2, "blocks");
+  const int64_t k = cols_of(blocks, type, "blocks");
+  check_packed(blocks, type, k, "blocks");
+  TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but blocks has ",
+                    blocks.size(0), " rows");
+  check_activations(x, k, blocks, type);
+  const int64_t m = x.size(0);
+  auto out = at::empty({m, out_features}, x.options().dtype(at::kFloat));
+  if (m == 0 || out_features == 0) return out;
+
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  Graph g(8);
+  ggml_tensor* w = g.packed(blocks, type, k);
+  ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, g.view(xf));  // {N, M}
+  g.compute(y, out);
+  return out;
+}
+
+at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
+                          int64_t type_id, int64_t out_features) {
+  const ggml_type type = check_storage_type(type_id);
+  check_cpu(blocks, "blocks");
+  check_dtype(blocks, {at::kByte}, "blocks");
+  check_dim(blocks, 3, "blocks");
+  const int64_t k = cols_of(blocks, type, "blocks");
+  check_packed(blocks, type, k, "blocks");
+  const int64_t experts = blocks.size(0);
+  TORCH_CHECK_VALUE(blocks.size(1) == out_features, "out_features=", out_features,
+                    " but each expert in blocks has ", blocks.size(1), " rows");
+  check_activations(x, k, blocks, type);
+  check_cpu(ids, "ids");
+  check_dtype(ids, {at::kInt, at::kLong}, "ids");
+  check_dim(ids, 2, "ids");
+  TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "ids has ", ids.size(0), " rows but x has ", x.size(0),
+                    " tokens");
+  check_indices(ids, experts, "ids (expert indices)");
+  const int64_t t = x.size(0), n_ids = ids.size(1);
+  auto out = at::empty({t, n_ids, out_features}, x.options().dtype(at::kFloat));
+  if (t == 0 || n_ids == 0 || out_features == 0) return out;
+
+  const at::Tensor xf = x.to(at::kFloat).contiguous().view({t, 1, k});  // one row per token, shared
+  const at::Tensor ids32 = ids.to(at::kInt).contiguous();
+  Graph g(8);
+  ggml_tensor* as = g.packed(blocks, type, k);  // {K, N, E}
+  ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, g.view(xf), g.view(ids32));  // {N, n_ids, T}
+  g.compute(y, out);
+  return out;
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t rows, int64_t cols,
+                          at::ScalarType dtype) {
+  const ggml_type type = check_storage_type(type_id);
+  check_out_dtype(dtype);
+  check_cpu(blocks, "blocks");
+  check_dtype(blocks, {at::kByte}, "blocks");
+  check_dim(blocks, 2, "blocks");
+  TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0), " rows");
+  check_packed(blocks, type, cols, "blocks");
+  if (rows == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
+  if (is_float_type(type)) return float_view(blocks, type, cols).to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  auto out = at::empty({rows, cols}, blocks.options().dtype(at::kFloat));
+  rows_to_float(blocks, type, cols, nullptr, rows, out.data_ptr<float>());
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int64_t type_id,
+                        int64_t cols, at::ScalarType dtype) {
+  const ggml_type type = check_storage_type(type_id);
+  check_out_dtype(dtype);
+  check_cpu(blocks, "blocks");
+  check_dtype(blocks, {at::kByte}, "blocks");
+  check_dim(blocks, 2, "blocks");
+  check_packed(blocks, type, cols, "blocks");
+  check_cpu(indices, "indices");
+  check_dtype(indices, {at::kInt, at::kLong}, "indices");
+  check_dim(indices, 1, "indices");
+  check_indices(indices, blocks.size(0), "indices");
+  const int64_t n = indices.size(0);
+  if (n == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
+  const at::Tensor idx = indices.to(at::kLong).contiguous();
+  if (is_float_type(type)) return float_view(blocks, type, cols).index_select(0, idx).to(dtype);
+  auto out = at::empty({n, cols}, blocks.options().dtype(at::kFloat));
+  rows_to_float(blocks, type, cols, idx.data_ptr<int64_t>(), n, out.data_ptr<float>());
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+at::Tensor quantize_cpu(const at::Tensor& x, int64_t type_id, const std::optional<at::Tensor>& imatrix) {
+  const ggml_type type = check_storage_type(type_id);
+  const auto& G = ggml();
+  check_cpu(x, "x");
+  check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
+  check_dim(x, 2, "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t rb = packed_row_bytes(type, cols);
+  const float* im = nullptr;
+  at::Tensor imc;
+  if (imatrix.has_value() && imatrix->defined()) {
+    check_cpu(*imatrix, "imatrix");
+    check_dtype(*imatrix, {at::kFloat}, "imatrix");
+    TORCH_CHECK_VALUE(imatrix->dim() == 1 && imatrix->size(0) == cols, "imatrix must be 1-D with ",
+                      cols, " values (one importance per column), got shape ", imatrix->sizes());
+    imc = imatrix->contiguous();
+    TORCH_CHECK_VALUE(at::isfinite(imc).all().item<bool>() && (imc >= 0).all().item<bool>(),
+                      "imatrix values must be finite and >= 0");
+    im = imc.data_ptr<float>();
+  }
+  TORCH_CHECK_VALUE(im != nullptr || !G.ggml_quantize_requires_imatrix(type), G.ggml_type_name(type),
+                    " quantization needs an importance matrix: pass imatrix (float32, one value per "
+                    "column; torch.ones(cols) weighs all columns equally)");
+  auto out = at::empty({rows, rb}, x.options().dtype(at::kByte));
+  if (rows == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (!is_float_type(type)) {
+    TORCH_CHECK_VALUE(at::isfinite(xf).all().item<bool>(), "x contains NaN or infinity; ",
+                      G.ggml_type_name(type), " cannot represent it");
+  }
+  G.ggml_quantize_init(type);  // builds the IQ grids once, before the threads need them
+  const float* src = xf.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / cols);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    G.ggml_quantize_chunk(type, src, dst, begin * cols, end - begin, cols, im);
+  });
+  return out;
+}

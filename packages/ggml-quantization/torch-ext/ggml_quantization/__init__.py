@@ -1,0 +1,132 @@
+"""Compute on packed GGUF tensors with ggml's own kernels.
+
+A packed weight is a GGUF tensor as stored: uint8, one row per output feature,
+`row_bytes(ggml_type, cols)` bytes per row. Every op accepts the type as an id, a `GGMLType` or a
+name ("Q4_K"). Matrix products return float32 whatever the activation dtype, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops, layers
+from ._ops import add_op_namespace_prefix, ops
+from .types import GGMLType, IMATRIX_TYPES, STORAGE_TYPES, TYPE_INFO, TypeInfo, row_bytes, type_id, type_info, type_name
+
+__all__ = [
+    "GEMV_TYPES",
+    "GGMLType",
+    "IMATRIX_TYPES",
+    "MAX_GEMV_ROWS",
+    "QUANTIZE_TYPES",
+    "STORAGE_TYPES",
+    "TYPE_INFO",
+    "TypeInfo",
+    "dequantize",
+    "get_rows",
+    "info",
+    "layers",
+    "mul_mat",
+    "mul_mat_id",
+    "mul_mat_vec",
+    "quantize",
+    "row_bytes",
+    "type_id",
+    "type_info",
+    "type_name",
+]
+
+# Every storage type has a ggml-cpu dot product in the pinned ggml, so every one stays packed.
+GEMV_TYPES: frozenset[int] = STORAGE_TYPES
+# transformers calls mul_mat_vec for at most this many rows (it keeps its own copy of the number).
+MAX_GEMV_ROWS = 8
+# ggml can quantize to every storage type (IMATRIX_TYPES need an importance matrix).
+QUANTIZE_TYPES: frozenset[int] = STORAGE_TYPES
+
+_extension = getattr(_ops, ops.name)
+
+
+def info() -> dict[str, str]:
+    """Which ggml runtime this build loaded: CPU variant, library path, ggml version."""
+    return {
+        "cpu_variant": _extension.cpu_variant(),
+        "runtime": _extension.runtime_path(),
+        "ggml": _extension.ggml_version(),
+    }
+
+
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def mul_mat_vec(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
+    """`x @ W.T` for a packed weight W `(out_features, row_bytes)` and x `(M, K)` float32/bf16/f16;
+    returns `(M, out_features)` float32. Made for M <= MAX_GEMV_ROWS (decode), correct for any M."""
+    out = ops.mul_mat_vec(blocks, _flatten(x), type_id(ggml_type), int(out_features))
+    return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+
+
+def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
+    """`x @ W.T` on the packed weight for any number of rows (prefill), without a dense copy of W.
+    x `(..., K)` -> `(..., out_features)` float32."""
+    out = ops.mul_mat(blocks, _flatten(x), type_id(ggml_type), int(out_features))
+    return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+
+
+def mul_mat_id(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
+    """Mixture-of-experts product: blocks `(E, N, row_bytes)`, x `(T, K)`, ids `(T, n_ids)` int32/int64
+    -> `(T, n_ids, N)` float32 with `out[t, j] = W[ids[t, j]] @ x[t]`."""
+    return ops.mul_mat_id(blocks, x, ids, type_id(ggml_type), int(out_features))
+
+
+def dequantize(blocks: torch.Tensor, ggml_type, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed `(rows, row_bytes)` -> `(rows, cols)` in dtype (float32, float16 or bfloat16)."""
+    return ops.dequantize(blocks, type_id(ggml_type), int(rows), int(cols), dtype)
+
+
+def get_rows(blocks: torch.Tensor, indices: torch.Tensor, ggml_type, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `indices` (1-D int32/int64) of a packed matrix, dequantized: `(n, cols)` in dtype."""
+    return ops.get_rows(blocks, indices, type_id(ggml_type), int(cols), dtype)
+
+
+def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize float rows `(..., cols)` to packed uint8 `(..., row_bytes)` with ggml's quantizers.
+    `imatrix` (float32, one importance per column) weighs the rounding error; IMATRIX_TYPES need it."""
+    out = ops.quantize(_flatten(x), type_id(ggml_type), imatrix)
+    return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+
+
+# ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
+
+def _row_bytes_or_raise(t: int, cols: int) -> int:
+    return row_bytes(t, cols)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("mul_mat"))
+def _mul_mat_fake(blocks, x, ggml_type, out_features):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("mul_mat_vec"))
+def _mul_mat_vec_fake(blocks, x, ggml_type, out_features):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("mul_mat_id"))
+def _mul_mat_id_fake(blocks, x, ids, ggml_type, out_features):
+    return x.new_empty((x.shape[0], ids.shape[1], out_features), dtype=torch.float32)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("dequantize"))
+def _dequantize_fake(blocks, ggml_type, rows, cols, dtype):
+    return blocks.new_empty((rows, cols), dtype=dtype)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("get_rows"))
+def _get_rows_fake(blocks, indices, ggml_type, cols, dtype):
+    return blocks.new_empty((indices.shape[0], cols), dtype=dtype)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("quantize"))
+def _quantize_fake(x, ggml_type, imatrix=None):
+    return x.new_empty((x.shape[0], _row_bytes_or_raise(ggml_type, x.shape[1])), dtype=torch.uint8)

@@ -1,0 +1,27 @@
+// Op schemas of ggml-quantization and their per-backend implementations.
+#include "torch_binding.h"
+
+#include "registration.h"
+
+GGML_KERNELS_LIBRARY(m) {
+  // Packed GGUF weight (N, row_bytes) times activations x (M, K) -> (M, N) float32. The two names
+  // run the same kernel; mul_mat_vec is the one transformers calls (M <= 8).
+  m.def("mul_mat(Tensor blocks, Tensor x, int ggml_type, int out_features) -> Tensor");
+  m.def("mul_mat_vec(Tensor blocks, Tensor x, int ggml_type, int out_features) -> Tensor");
+  // Experts (E, N, row_bytes), x (T, K), ids (T, n_ids) -> (T, n_ids, N) float32.
+  m.def("mul_mat_id(Tensor blocks, Tensor x, Tensor ids, int ggml_type, int out_features) -> Tensor");
+  m.def("dequantize(Tensor blocks, int ggml_type, int rows, int cols, ScalarType dtype) -> Tensor");
+  m.def("get_rows(Tensor blocks, Tensor indices, int ggml_type, int cols, ScalarType dtype) -> Tensor");
+  m.def("quantize(Tensor x, int ggml_type, Tensor? imatrix=None) -> Tensor");
+}
+
+GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+  m.impl("mul_mat", &mul_mat_cpu);
+  m.impl("mul_mat_vec", &mul_mat_cpu);
+  m.impl("mul_mat_id", &mul_mat_id_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+  m.impl("get_rows", &get_rows_cpu);
+  m.impl("quantize", &quantize_cpu);
+}
+
+GGML_KERNELS_PYTHON_MODULE()

@@ -1,0 +1,17 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+// CPU backend (ggml_quantization_cpu/quantization_cpu.cpp).
+at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ggml_type,
+                       int64_t out_features);
+at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
+                          int64_t ggml_type, int64_t out_features);
+at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t ggml_type, int64_t rows, int64_t cols,
+                          at::ScalarType dtype);
+at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int64_t ggml_type,
+                        int64_t cols, at::ScalarType dtype);
+at::Tensor quantize_cpu(const at::Tensor& x, int64_t ggml_type,
+                        const std::optional<at::Tensor>& imatrix);

@@ -1,0 +1,199 @@
+"""Build packages/<name>/ into packages/<name>/build/<variant>/ the way kernel-builder would.
+
+Reads the package's build.toml, compiles the torch binding, the backend sources and the shared glue
+in common/ against the torch of the running interpreter, links them against nothing of ggml's (the
+extension loads ggml's CPU runtime, tools/ggml_runtime.py, at first use), checks the ABI and lays
+out the variant folder that `kernels` loads:
+
+    __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
+    libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
+
+    python tools/build.py                      # every package
+    python tools/build.py ggml-quantization    # one package
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ggml_runtime  # noqa: E402
+import ninja  # noqa: E402
+import upstream  # noqa: E402
+
+REPO = upstream.REPO
+COMMON = REPO / "common"
+COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]
+CXXFLAGS = [
+    "-std=gnu++17", "-O2", "-fPIC", "-pthread", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+    "-Wall", "-Wno-unused-function", "-include", str(COMMON / "glibc_compat.h"),
+]
+MANYLINUX = "manylinux_2_28"
+PYTHON_ABI = "3.9"
+
+
+def packages() -> list[str]:
+    return sorted(p.name for p in (REPO / "packages").iterdir() if (p / "build.toml").exists())
+
+
+def torch_variant() -> str:
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
+    return f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
+
+
+def _hash_files(files, extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for f in sorted(files):
+        h.update(str(f.relative_to(REPO)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:7]
+
+
+def build_package(name: str, jobs: int | None = None, check_abi: bool = True) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    pkg = REPO / "packages" / name
+    with open(pkg / "build.toml", "rb") as f:
+        spec = tomllib.load(f)
+    general = spec["general"]
+    py_name = name.replace("-", "_")
+    cpu_kernels = {k: v for k, v in spec.get("kernel", {}).items() if v.get("backend") == "cpu"}
+    if "cpu" not in general.get("backends", []) or not cpu_kernels:
+        raise ValueError(f"{name}: build.toml declares no cpu backend")
+
+    runtime = ggml_runtime.build(jobs)
+    tree = upstream.ggml_tree()
+    sources = [pkg / s for s in spec["torch"]["src"]]
+    sources += [pkg / s for k in cpu_kernels.values() for s in k["src"]]
+    sources += [COMMON / s for s in COMMON_SOURCES]
+    headers = [p for p in sources if p.suffix == ".h"] + sorted(COMMON.glob("*.h"))
+    compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
+
+    variant = torch_variant()
+    ext_id = f"_{py_name}_cpu_{_hash_files(sources + headers, torch.__version__)}"
+    work = pkg / "build" / ".ninja" / variant
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
+                 f"-I{pkg / 'torch-ext'}"]
+    includes += [f"-I{pkg / d}" for k in cpu_kernels.values() for d in k.get("include", [])]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = CXXFLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={ext_id}"] + includes
+    torch_lib = Path(torch.__file__).parent / "lib"
+
+    n = ninja.NinjaFile()
+    n.rule("cxx", "g++ -MMD -MF $out.d $flags -c $in -o $out", "CXX $out", depfile=True)
+    n.rule("cc", "gcc -MMD -MF $out.d -std=gnu11 -O2 -fPIC -fvisibility=hidden -include "
+           f"{COMMON / 'glibc_compat.h'} -c $in -o $out", "CC $out", depfile=True)
+    n.rule("link", "g++ -shared -o $out $in $ldflags", "LINK $out")
+    objs = []
+    for src in compiled:
+        obj = work / "obj" / (src.relative_to(REPO).as_posix().replace("/", "_") + ".o")
+        n.build(obj, "cxx", src, variables={"flags": ninja.quote(flags)})
+        objs.append(obj)
+    for src, rule in ((COMMON / "glibc_compat.c", "cc"), (COMMON / "glibcxx_compat.cpp", "cxx")):
+        obj = work / "obj" / (src.name + ".o")
+        n.build(obj, rule, src, variables={"flags": ninja.quote(CXXFLAGS)})
+        objs.append(obj)
+    so = work / f"{ext_id}.abi3.so"
+    ldflags = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-Wl,-z,noexecstack", "-ldl"]
+    n.build(so, "link", objs, variables={"ldflags": ninja.quote(ldflags)})
+    n.write(work / "build.ninja")
+    ninja.run(work, jobs)
+
+    out = pkg / "build" / variant
+    _assemble(out, pkg / "torch-ext" / py_name, so, ggml_runtime.libraries(runtime), ext_id, general)
+    if check_abi:
+        check_binaries(out)
+    return out
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    if dst.exists() and dst.stat().st_size == src.stat().st_size and dst.read_bytes() == src.read_bytes():
+        return
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_id: str, general: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json"}
+    for f in sorted(py_src.rglob("*.py")):
+        rel = f.relative_to(py_src)
+        wanted.add(rel.parts[0])
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        _copy_if_changed(f, out / rel)
+    for f in [so, *runtime_libs]:
+        _copy_if_changed(f, out / f.name)
+    for stale in out.iterdir():  # an older extension id, a removed module, a dropped CPU level
+        if stale.name not in wanted:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    ops = (
+        "import torch\n\n"
+        f"from . import {ext_id}\n\n"
+        f"ops = torch.ops.{ext_id}\n\n\n"
+        "def add_op_namespace_prefix(op_name: str) -> str:\n"
+        f'    """Prefix op by namespace."""\n'
+        f'    return f"{ext_id}::{{op_name}}"\n'
+    )
+    _write_if_changed(out / "_ops.py", ops)
+    metadata = {
+        "name": general["name"],
+        "id": ext_id,
+        "version": general.get("version", 1),
+        "license": general.get("license", "MIT"),
+        "upstream": general.get("upstream"),
+        "python-depends": general.get("python-depends", []),
+        "backend": {"type": "cpu"},
+    }
+    _write_if_changed(out / "metadata.json", json.dumps({k: v for k, v in metadata.items() if v is not None}, indent=2) + "\n")
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def check_binaries(variant_dir: Path) -> None:
+    """kernel-abi-check's rules: manylinux_2_28 symbols, Python abi3 >= 3.9."""
+    try:
+        import kernel_abi_check
+    except ImportError:
+        print("[build] kernel-abi-check not installed; ABI not checked", file=sys.stderr)
+        return
+    problems = []
+    for so in sorted(variant_dir.glob("*.so")):
+        obj = kernel_abi_check.ObjectFile(str(so))
+        bad = list(obj.check_manylinux(MANYLINUX))
+        if so.name.endswith(".abi3.so"):
+            bad += list(obj.check_python_abi(PYTHON_ABI))
+        problems += [f"{so.name}: {b}" for b in bad]
+    if problems:
+        raise RuntimeError("ABI check failed:\n  " + "\n  ".join(problems))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("packages", nargs="*", help="package folder names (default: all)")
+    ap.add_argument("-j", "--jobs", type=int, default=None)
+    ap.add_argument("--no-abi-check", action="store_true")
+    args = ap.parse_args()
+    for name in args.packages or packages():
+        out = build_package(name, args.jobs, check_abi=not args.no_abi_check)
+        print(out.relative_to(REPO))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Build ggml's CPU runtime (ggml-base + ggml-cpu) once per CPU variant, in the cache.
+
+Every package links the same runtime: one shared library per x86-64 feature level, exactly the
+split ggml itself uses for GGML_CPU_ALL_VARIANTS, but a handful of levels instead of a dozen. A
+package's extension picks the best one the running CPU supports at import time
+(common/ggml_runtime.cpp), so a build is portable: AVX-512 code only ever runs on AVX-512 CPUs.
+
+Each library is loaded privately (RTLD_LOCAL) and linked -Bsymbolic, so its calls stay inside
+itself and it can share a process with another ggml, such as llama-cpp-python's, without symbol
+clashes. libstdc++ is linked dynamically, like torch's own libraries (a static copy would drag in
+glibc symbols newer than manylinux_2_28 allows).
+
+    python tools/ggml_runtime.py      # builds (incrementally) and prints the runtime folder
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ninja  # noqa: E402  (tools/ninja.py)
+import upstream  # noqa: E402
+
+REPO = upstream.REPO
+COMMON = REPO / "common"
+
+# name -> (compiler flags, ggml feature defines). Keep the names and the CPU features they need in
+# sync with kVariants in common/ggml_runtime.cpp (best first there).
+_HASWELL = ["-msse4.2", "-mavx", "-mf16c", "-mfma", "-mbmi2", "-mavx2"]
+_HASWELL_DEF = ["GGML_SSE42", "GGML_AVX", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX2"]
+_AVX512 = ["-mavx512f", "-mavx512cd", "-mavx512vl", "-mavx512dq", "-mavx512bw"]
+VARIANTS: dict[str, tuple[list[str], list[str]]] = {
+    "x64": ([], []),
+    "haswell": (_HASWELL, _HASWELL_DEF),
+    "skylakex": (_HASWELL + _AVX512, _HASWELL_DEF + ["GGML_AVX512"]),
+    "zen4": (
+        _HASWELL + _AVX512 + ["-mavx512vbmi", "-mavx512vnni", "-mavx512bf16"],
+        _HASWELL_DEF + ["GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"],
+    ),
+}
+
+BASE_SOURCES = [
+    "ggml.c", "ggml.cpp", "ggml-alloc.c", "ggml-backend.cpp", "ggml-backend-meta.cpp", "ggml-opt.cpp",
+    "ggml-threading.cpp", "ggml-quants.c", "gguf.cpp",
+]
+CPU_SOURCES = [
+    "ggml-cpu/ggml-cpu.c", "ggml-cpu/ggml-cpu.cpp", "ggml-cpu/repack.cpp", "ggml-cpu/hbm.cpp",
+    "ggml-cpu/quants.c", "ggml-cpu/traits.cpp", "ggml-cpu/amx/amx.cpp", "ggml-cpu/amx/mmq.cpp",
+    "ggml-cpu/tiled/tiled.cpp", "ggml-cpu/tiled/tiled-kernel.cpp", "ggml-cpu/binary-ops.cpp",
+    "ggml-cpu/unary-ops.cpp", "ggml-cpu/vec.cpp", "ggml-cpu/ops.cpp", "ggml-cpu/llamafile/sgemm.cpp",
+    "ggml-cpu/arch/x86/quants.c", "ggml-cpu/arch/x86/repack.cpp",
+]
+DEFINES = [
+    "NDEBUG", "_GNU_SOURCE", "_XOPEN_SOURCE=600", "GGML_BUILD", "GGML_SHARED", "GGML_BACKEND_BUILD",
+    "GGML_BACKEND_SHARED", "GGML_SCHED_MAX_COPIES=4", "GGML_USE_LLAMAFILE", "GGML_USE_CPU_REPACK",
+]
+COMMON_FLAGS = [
+    "-O3", "-fPIC", "-pthread", "-fvisibility=hidden", "-w", "-include", str(COMMON / "glibc_compat.h"),
+]
+LIB_PREFIX = "libggml-kernels-cpu-"
+
+
+def selected_variants() -> list[str]:
+    """All variants, or GGML_KERNELS_CPU_VARIANTS=zen4,x64 to build fewer while developing."""
+    env = os.environ.get("GGML_KERNELS_CPU_VARIANTS")
+    names = [v.strip() for v in env.split(",")] if env else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown CPU variants {unknown}; known: {list(VARIANTS)}")
+    return names
+
+
+def runtime_dir() -> Path:
+    """Cache folder of the built runtime, one per pin; ninja rebuilds what a recipe change touches."""
+    return upstream.ggml_tree().parent / "runtime"
+
+
+def build(jobs: int | None = None) -> Path:
+    tree = upstream.ggml_tree()
+    out = runtime_dir()
+    src = tree / "src"
+    gen = out / "gen"
+    gen.mkdir(parents=True, exist_ok=True)
+    pin = upstream.pin()["llama_cpp"]
+    version_h = gen / "ggml-version.h"
+    text = f'#pragma once\n#define GGML_VERSION "{pin["ggml_version"]}"\n#define GGML_COMMIT "{pin["commit"][:7]}"\n'
+    if not version_h.exists() or version_h.read_text() != text:
+        version_h.write_text(text)
+
+    includes = [f"-I{tree / 'include'}", f"-I{src}", f"-I{src / 'ggml-cpu'}", f"-I{gen}"]
+    n = ninja.NinjaFile()
+    n.rule("cc", "gcc -MMD -MF $out.d -std=gnu11 $flags -c $in -o $out", "CC $out", depfile=True)
+    n.rule("cxx", "g++ -MMD -MF $out.d -std=gnu++17 $flags -c $in -o $out", "CXX $out", depfile=True)
+    n.rule("link", "g++ -shared -o $out $in $ldflags", "LINK $out")
+
+    def compile_all(sources, subdir, flags):
+        objs = []
+        for s in sources:
+            obj = out / "obj" / subdir / (s.replace("/", "_") + ".o")
+            rule = "cc" if s.endswith(".c") else "cxx"
+            n.build(obj, rule, src / s, variables={"flags": ninja.quote(flags)})
+            objs.append(obj)
+        return objs
+
+    defs = [f"-D{d}" for d in DEFINES]
+    # ggml-base holds no SIMD code worth specialising: compiled once, linked into every variant.
+    base_objs = compile_all(BASE_SOURCES, "base", COMMON_FLAGS + defs + includes)
+    compat_objs = [out / "obj" / "glibc_compat.o", out / "obj" / "glibcxx_compat.o"]
+    n.build(compat_objs[0], "cc", COMMON / "glibc_compat.c", variables={"flags": ninja.quote(COMMON_FLAGS)})
+    n.build(compat_objs[1], "cxx", COMMON / "glibcxx_compat.cpp", variables={"flags": ninja.quote(COMMON_FLAGS)})
+    ldflags = [
+        "-Wl,-Bsymbolic",
+        "-Wl,--no-undefined", "-Wl,-z,noexecstack", "-pthread", "-lm", "-ldl",
+    ]
+    libs = []
+    for name in selected_variants():
+        flags, feature_defs = VARIANTS[name]
+        cpu_objs = compile_all(
+            CPU_SOURCES, name, COMMON_FLAGS + flags + defs + [f"-D{d}" for d in feature_defs] + includes
+        )
+        lib = out / f"{LIB_PREFIX}{name}.so"
+        n.build(lib, "link", base_objs + cpu_objs + compat_objs,
+                variables={"ldflags": ninja.quote(ldflags + [f"-Wl,-soname,{lib.name}"])})
+        libs.append(lib)
+    n.write(out / "build.ninja")
+    ninja.run(out, jobs)
+    return out
+
+
+def libraries(out: Path | None = None) -> list[Path]:
+    out = out or runtime_dir()
+    return [out / f"{LIB_PREFIX}{name}.so" for name in selected_variants()]
+
+
+if __name__ == "__main__":
+    print(build())
