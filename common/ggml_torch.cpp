@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 
 namespace ggml_kernels {
@@ -52,7 +53,7 @@ int64_t packed_row_bytes(ggml_type type, int64_t cols) {
   const int64_t block = G.ggml_blck_size(type);
   TORCH_CHECK_VALUE(cols > 0, "cols must be positive, got ", cols);
   TORCH_CHECK_VALUE(cols % block == 0, "cols=", cols, " is not a multiple of the ",
-                    G.ggml_type_name(type), " block size ", block);
+                    type_name(type), " block size ", block);
   return static_cast<int64_t>(G.ggml_row_size(type, cols));
 }
 
@@ -63,7 +64,7 @@ void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const 
                     blocks.sizes());
   const int64_t rb = packed_row_bytes(type, cols);
   TORCH_CHECK_VALUE(blocks.size(-1) == rb, name, " has ", blocks.size(-1), " bytes per row but ",
-                    ggml().ggml_type_name(type), " rows of ", cols, " values take ", rb, " bytes");
+                    type_name(type), " rows of ", cols, " values take ", rb, " bytes");
   check_contiguous(blocks, name);
 }
 
@@ -73,6 +74,12 @@ void check_indices(const at::Tensor& idx, int64_t limit, const char* name) {
   const int64_t mn = lo.item<int64_t>(), mx = hi.item<int64_t>();
   TORCH_CHECK_INDEX(mn >= 0 && mx < limit, name, " out of range: values must lie in [0, ", limit,
                     "), got min ", mn, ", max ", mx);
+}
+
+std::string type_name(ggml_type type) {
+  std::string name = ggml().ggml_type_name(type);
+  for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return name;
 }
 
 ggml_type ggml_type_of(at::ScalarType dtype) {

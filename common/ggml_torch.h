@@ -27,6 +27,8 @@ void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const 
 void check_indices(const at::Tensor& idx, int64_t limit, const char* name);
 
 ggml_type ggml_type_of(at::ScalarType dtype);
+// GGUF's spelling of a type name ("Q4_K"; ggml itself says "q4_K").
+std::string type_name(ggml_type type);
 
 // ---- one ggml graph whose leaves view torch tensors ----
 class Graph {

@@ -20,7 +20,7 @@ int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
   const int64_t rb = blocks.size(-1);
   const int64_t ts = static_cast<int64_t>(G.ggml_type_size(type));
   TORCH_CHECK_VALUE(rb > 0 && rb % ts == 0, name, " rows of ", rb, " bytes are not a whole number of ",
-                    G.ggml_type_name(type), " blocks (", ts, " bytes each)");
+                    type_name(type), " blocks (", ts, " bytes each)");
   return rb / ts * G.ggml_blck_size(type);
 }
 
@@ -29,7 +29,7 @@ void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks,
   check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
   check_dim(x, 2, "x");
   TORCH_CHECK_VALUE(x.size(1) == k, "x has ", x.size(1), " features (shape ", x.sizes(),
-                    ") but the ", ggml().ggml_type_name(type), " weight rows hold ", k,
+                    ") but the ", type_name(type), " weight rows hold ", k,
                     " values (", blocks.size(-1), " bytes)");
 }
 
@@ -42,7 +42,7 @@ void check_out_dtype(at::ScalarType dtype) {
 void rows_to_float(const at::Tensor& blocks, ggml_type type, int64_t cols, const int64_t* row_ids,
                    int64_t n, float* out) {
   const auto to_float = ggml().ggml_get_type_traits(type)->to_float;
-  TORCH_CHECK(to_float != nullptr, "ggml has no dequantizer for ", ggml().ggml_type_name(type));
+  TORCH_CHECK(to_float != nullptr, "ggml has no dequantizer for ", type_name(type));
   const auto* base = static_cast<const uint8_t*>(blocks.data_ptr());
   const int64_t rb = blocks.size(-1);
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / cols);
@@ -179,7 +179,7 @@ at::Tensor quantize_cpu(const at::Tensor& x, int64_t type_id, const std::optiona
                       "imatrix values must be finite and >= 0");
     im = imc.data_ptr<float>();
   }
-  TORCH_CHECK_VALUE(im != nullptr || !G.ggml_quantize_requires_imatrix(type), G.ggml_type_name(type),
+  TORCH_CHECK_VALUE(im != nullptr || !G.ggml_quantize_requires_imatrix(type), type_name(type),
                     " quantization needs an importance matrix: pass imatrix (float32, one value per "
                     "column; torch.ones(cols) weighs all columns equally)");
   auto out = at::empty({rows, rb}, x.options().dtype(at::kByte));
@@ -187,7 +187,7 @@ at::Tensor quantize_cpu(const at::Tensor& x, int64_t type_id, const std::optiona
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   if (!is_float_type(type)) {
     TORCH_CHECK_VALUE(at::isfinite(xf).all().item<bool>(), "x contains NaN or infinity; ",
-                      G.ggml_type_name(type), " cannot represent it");
+                      type_name(type), " cannot represent it");
   }
   G.ggml_quantize_init(type);  // builds the IQ grids once, before the threads need them
   const float* src = xf.data_ptr<float>();

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, layers
+from . import _ops, layers, reference
 from ._ops import add_op_namespace_prefix, ops
 from .types import GGMLType, IMATRIX_TYPES, STORAGE_TYPES, TYPE_INFO, TypeInfo, row_bytes, type_id, type_info, type_name
 
@@ -30,6 +30,7 @@ __all__ = [
     "mul_mat_id",
     "mul_mat_vec",
     "quantize",
+    "reference",
     "row_bytes",
     "type_id",
     "type_info",
@@ -97,23 +98,30 @@ def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) ->
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
+# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here.
 
-def _row_bytes_or_raise(t: int, cols: int) -> int:
-    return row_bytes(t, cols)
+
+def _same_device(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat"))
 def _mul_mat_fake(blocks, x, ggml_type, out_features):
+    _same_device("mul_mat", blocks=blocks, x=x)
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_vec"))
 def _mul_mat_vec_fake(blocks, x, ggml_type, out_features):
+    _same_device("mul_mat_vec", blocks=blocks, x=x)
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_id"))
 def _mul_mat_id_fake(blocks, x, ids, ggml_type, out_features):
+    _same_device("mul_mat_id", blocks=blocks, x=x, ids=ids)
     return x.new_empty((x.shape[0], ids.shape[1], out_features), dtype=torch.float32)
 
 
@@ -124,9 +132,11 @@ def _dequantize_fake(blocks, ggml_type, rows, cols, dtype):
 
 @torch.library.register_fake(add_op_namespace_prefix("get_rows"))
 def _get_rows_fake(blocks, indices, ggml_type, cols, dtype):
+    _same_device("get_rows", blocks=blocks, indices=indices)
     return blocks.new_empty((indices.shape[0], cols), dtype=dtype)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("quantize"))
 def _quantize_fake(x, ggml_type, imatrix=None):
-    return x.new_empty((x.shape[0], _row_bytes_or_raise(ggml_type, x.shape[1])), dtype=torch.uint8)
+    _same_device("quantize", x=x, imatrix=imatrix)
+    return x.new_empty((x.shape[0], row_bytes(ggml_type, x.shape[1])), dtype=torch.uint8)

@@ -1,0 +1,81 @@
+"""Build, test and benchmark every package against every torch in the matrix.
+
+    nox -s build                      # every package for every torch
+    nox -s tests                      # the test matrix (torch x packages)
+    nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
+    nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
+
+Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle wheel are cached in
+~/.cache/ggml-kernels (GGML_KERNELS_CACHE), so nothing already built is built again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "tools"))
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+TORCH = ["2.13.0", "2.14.1"]
+BUILD_DEPS = ["ninja", "kernel-abi-check==0.14.1"]
+TEST_DEPS = [
+    "pytest", "pytest-benchmark", "numpy", "gguf==0.19.0", "kernels==0.17.2",
+    "transformers==5.22.2", "accelerate", "tabulate",
+]
+# llama-cpp-python's own runtime needs (installed without its heavier optional extras).
+LLAMA_CPP_DEPS = ["numpy", "typing-extensions", "diskcache", "jinja2"]
+
+
+def _env(session: nox.Session) -> dict:
+    cache = os.environ.get("GGML_KERNELS_CACHE", str(Path.home() / ".cache" / "ggml-kernels"))
+    return {"GGML_KERNELS_CACHE": cache, "PYTHONUNBUFFERED": "1"}
+
+
+def _install(session: nox.Session, torch: str, *extra: str) -> None:
+    session.install(f"torch=={torch}", *BUILD_DEPS, *extra)
+
+
+def _build(session: nox.Session) -> None:
+    session.run("python", "tools/build.py", env=_env(session))
+
+
+def _install_llama_cpp(session: nox.Session) -> None:
+    """The independent oracle: llama.cpp b11312 via llama-cpp-python, built once and cached."""
+    wheel = session.run("python", "tools/llama_cpp_wheel.py", silent=True, env=_env(session)).strip().splitlines()[-1]
+    session.install("--no-deps", wheel)
+    session.install(*LLAMA_CPP_DEPS)
+
+
+@nox.session
+@nox.parametrize("torch", TORCH)
+def build(session: nox.Session, torch: str) -> None:
+    """Build every package for this torch (incremental: seconds when nothing changed)."""
+    _install(session, torch)
+    _build(session)
+
+
+@nox.session
+@nox.parametrize("torch", TORCH)
+def tests(session: nox.Session, torch: str) -> None:
+    """Build, then run the tests of every package (or the paths given after --)."""
+    _install(session, torch, *TEST_DEPS)
+    _install_llama_cpp(session)
+    _build(session)
+    session.run("python", "-m", "pytest", *(session.posargs or []), env=_env(session))
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Per-kernel benchmark tables: ours vs ggml's own op vs transformers vs the memory roofline."""
+    _install(session, TORCH[0], *TEST_DEPS)
+    _install_llama_cpp(session)
+    _build(session)
+    session.run("python", "tools/bench_quantization.py", *session.posargs, env=_env(session))

@@ -1,0 +1,280 @@
+"""ggml-quantization's CPU kernels against the pure-PyTorch reference and gguf-py.
+
+Tolerances:
+- dequantize / get_rows: exact. Both sides decode the same bits with the same float operations
+  (ggml's to_float vs a reference that is bit-exact with gguf-py).
+- mul_mat*: the kernel quantizes activations to the weight type's vec_dot_type (Q8_0/Q8_1/Q8_K) as
+  llama.cpp does, which moves results by ~0.5-1 % of their scale. Against the reference's emulation
+  of that step the remaining differences are float32 summation order (~1e-6 relative) plus a rare
+  1-unit flip of an activation value where ggml's SIMD quantizer (x * (127/amax)) and the scalar one
+  (x / (amax/127)) round a near-tie differently: one flip moves a result by d_x * |w| ~ |y| / 127 / K.
+  MATMUL_RTOL = 2e-3 of the output scale covers a few flips; without emulation errors are ~1e-2.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+MATMUL_RTOL = 2e-3
+ROWS = 37  # odd on purpose
+
+
+def cols_for(gq, t: int) -> int:
+    block = gq.TYPE_INFO[gq.GGMLType(t)].block_size
+    return 512 if block == 256 else 3 * block if block > 1 else 97
+
+
+def make_weights(gq, t: int, rows: int = ROWS, cols: int | None = None, seed: int = 0):
+    cols = cols or cols_for(gq, t)
+    g = torch.Generator().manual_seed(seed + t)
+    w = torch.randn(rows, cols, generator=g)
+    imatrix = torch.rand(cols, generator=g) + 0.5 if t in gq.IMATRIX_TYPES else None
+    return gq.quantize(w, t, imatrix), cols
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item() or 1.0
+    return (out.double() - ref.double()).abs().max().item() / scale
+
+
+# Storage type ids, listed here so parametrisation needs no build at collection time (the first test
+# checks the package agrees).
+TYPES = [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29, 30, 34, 35, 39, 40, 41, 42]
+_EXTRA_NAMES = {40: "NVFP4", 41: "Q1_0", 42: "Q2_0"}  # newer than gguf-py 0.19.0's enum
+TYPE_IDS = {t: _EXTRA_NAMES.get(t) or gguf.GGMLQuantizationType(t).name for t in TYPES}
+
+
+def test_storage_types_match_package(gq):
+    assert sorted(gq.STORAGE_TYPES) == TYPES
+    assert gq.GEMV_TYPES == gq.STORAGE_TYPES
+    assert gq.MAX_GEMV_ROWS == 8
+
+
+def test_runtime_info(gq):
+    info = gq.info()
+    assert info["cpu_variant"] in {"zen4", "skylakex", "haswell", "x64"}
+    assert info["ggml"].startswith("0.25.3")
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantize / get_rows
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
+def test_dequantize_matches_reference_exactly(gq, t):
+    blocks, cols = make_weights(gq, t)
+    out = gq.dequantize(blocks, t, ROWS, cols, torch.float32)
+    ref = gq.reference.dequantize(blocks, t, ROWS, cols, torch.float32)
+    assert out.shape == (ROWS, cols) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t not in (41, 42)], ids=lambda t: TYPE_IDS[t])
+def test_dequantize_matches_gguf_py_bit_for_bit(gq, t):
+    blocks, cols = make_weights(gq, t, rows=5)
+    out = gq.dequantize(blocks, t, 5, cols, torch.float32)
+    ref = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(t))
+    np.testing.assert_array_equal(out.numpy(), ref.astype(np.float32).reshape(5, cols))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t", [0, 1, 8, 12, 14, 20, 30], ids=lambda t: TYPE_IDS[t])
+def test_dequantize_dtypes(gq, t, dtype):
+    blocks, cols = make_weights(gq, t)
+    out = gq.dequantize(blocks, t, ROWS, cols, dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, gq.reference.dequantize(blocks, t, ROWS, cols, torch.float32).to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
+def test_get_rows(gq, t):
+    blocks, cols = make_weights(gq, t)
+    idx = torch.tensor([5, 0, 36, 5, 17], dtype=torch.int32)
+    out = gq.get_rows(blocks, idx, t, cols, torch.float32)
+    full = gq.reference.dequantize(blocks, t, ROWS, cols, torch.float32)
+    torch.testing.assert_close(out, full[idx.long()], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(gq.get_rows(blocks, idx.long(), t, cols, torch.bfloat16), full[idx.long()].bfloat16(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# mat-vec / mat-mat / MoE
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
+def test_mul_mat_vec_all_rows_1_to_8(gq, t):
+    blocks, cols = make_weights(gq, t)
+    g = torch.Generator().manual_seed(1)
+    for m in range(1, 9):
+        x = torch.randn(m, cols, generator=g)
+        out = gq.mul_mat_vec(blocks, x, t, ROWS)
+        assert out.shape == (m, ROWS) and out.dtype == torch.float32
+        ref = gq.reference.mul_mat_emulated(blocks, x, t, ROWS)
+        assert rel_err(out, ref) < MATMUL_RTOL, (m, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("m", [9, 17, 64, 133])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
+def test_mul_mat_larger_m(gq, t, m):
+    blocks, cols = make_weights(gq, t)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    out = gq.mul_mat(blocks, x, t, ROWS)
+    ref = gq.reference.mul_mat_emulated(blocks, x, t, ROWS)
+    assert rel_err(out, ref) < MATMUL_RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t", [2, 8, 12, 14, 1, 30], ids=lambda t: TYPE_IDS[t])
+def test_mul_mat_half_inputs(gq, t, dtype):
+    blocks, cols = make_weights(gq, t)
+    x = torch.randn(3, cols).to(dtype)
+    for fn in (gq.mul_mat_vec, gq.mul_mat):
+        out = fn(blocks, x, t, ROWS)
+        assert out.dtype == torch.float32
+        ref = gq.reference.mul_mat_emulated(blocks, x.float(), t, ROWS)
+        assert rel_err(out, ref) < MATMUL_RTOL
+
+
+def test_mul_mat_leading_dims(gq):
+    blocks, cols = make_weights(gq, 12)
+    x = torch.randn(2, 3, cols)
+    out = gq.mul_mat(blocks, x, "Q4_K", ROWS)
+    assert out.shape == (2, 3, ROWS)
+    torch.testing.assert_close(out.view(6, ROWS), gq.mul_mat(blocks, x.view(6, cols), 12, ROWS), rtol=0, atol=0)
+
+
+def test_mul_mat_real_shape(gq):
+    """A Qwen3.5-0.8B-sized projection (1024 -> 3584) in Q4_K, decode and prefill."""
+    w = torch.randn(3584, 1024) * 0.02
+    blocks = gq.quantize(w, "Q4_K")
+    for m in (1, 8, 64):
+        x = torch.randn(m, 1024)
+        out = gq.mul_mat(blocks, x, "Q4_K", 3584)
+        assert rel_err(out, gq.reference.mul_mat_emulated(blocks, x, 12, 3584)) < MATMUL_RTOL
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
+def test_mul_mat_id(gq, t):
+    experts = 5
+    parts = [make_weights(gq, t, seed=e) for e in range(experts)]
+    blocks = torch.stack([p[0] for p in parts])
+    cols = parts[0][1]
+    g = torch.Generator().manual_seed(2)
+    tokens, top_k = 7, 3
+    x = torch.randn(tokens, cols, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).int()
+    out = gq.mul_mat_id(blocks, x, ids, t, ROWS)
+    assert out.shape == (tokens, top_k, ROWS) and out.dtype == torch.float32
+    ref = gq.reference.mul_mat_id_emulated(blocks, x, ids, t, ROWS)
+    assert rel_err(out, ref) < MATMUL_RTOL
+    # transformers' second call: one row per (token, expert) pair, ids (T*top_k, 1), int64 accepted
+    x2 = torch.randn(tokens * top_k, cols, generator=g)
+    ids2 = ids.reshape(-1, 1).long()
+    out2 = gq.mul_mat_id(blocks, x2, ids2, t, ROWS)
+    assert out2.shape == (tokens * top_k, 1, ROWS)
+    assert rel_err(out2, gq.reference.mul_mat_id_emulated(blocks, x2, ids2, t, ROWS)) < MATMUL_RTOL
+
+
+def test_mul_mat_id_many_tokens(gq):
+    """Enough tokens that ggml takes its grouped (per-expert) path."""
+    experts, cols, rows = 8, 256, 64
+    blocks = gq.quantize(torch.randn(experts * rows, cols), "Q4_K").view(experts, rows, -1)
+    x = torch.randn(300, cols)
+    ids = torch.randint(0, experts, (300, 2), dtype=torch.int32)
+    out = gq.mul_mat_id(blocks, x, ids, "Q4_K", rows)
+    assert rel_err(out, gq.reference.mul_mat_id_emulated(blocks, x, ids, 12, rows)) < MATMUL_RTOL
+
+
+def test_thread_count_does_not_change_results(gq):
+    blocks, cols = make_weights(gq, 12, rows=256)
+    x = torch.randn(4, cols)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gq.mul_mat(blocks, x, 12, 256)
+        torch.set_num_threads(2)
+        two = gq.mul_mat(blocks, x, 12, 256)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
+
+
+def test_empty_inputs(gq):
+    blocks, cols = make_weights(gq, 8)
+    assert gq.mul_mat_vec(blocks, torch.empty(0, cols), 8, ROWS).shape == (0, ROWS)
+    assert gq.get_rows(blocks, torch.empty(0, dtype=torch.int32), 8, cols, torch.float32).shape == (0, cols)
+    assert gq.dequantize(blocks[:0], 8, 0, cols, torch.float32).shape == (0, cols)
+    assert gq.quantize(torch.empty(0, cols), 8).shape == (0, blocks.shape[1])
+    e = torch.stack([blocks, blocks])
+    assert gq.mul_mat_id(e, torch.empty(0, cols), torch.empty(0, 2, dtype=torch.int32), 8, ROWS).shape == (0, 2, ROWS)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize
+
+GGUF_PY_QUANTIZERS = [2, 3, 6, 7, 8, 30, 34, 35, 39]
+
+
+@pytest.mark.parametrize("t", GGUF_PY_QUANTIZERS, ids=lambda t: TYPE_IDS[t])
+def test_quantize_bytes_equal_gguf_py(gq, t):
+    x = torch.randn(9, 3 * 256)
+    ours = gq.quantize(x, t)
+    theirs = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType(t))
+    np.testing.assert_array_equal(ours.numpy(), theirs)
+
+
+# Relative RMS round-trip error on N(0, 1) data with ggml's quantizers (deterministic, the same on
+# every CPU level): measured on the pinned ggml, bound = 1.25x the measurement. It follows the bits
+# per weight, 8.5 (Q8_0) down to 1.1 (Q1_0); the ternary types (TQ*, Q2_0) only suit ternary models.
+ROUND_TRIP_BOUND = {
+    0: 0, 1: 0.001, 2: 0.108, 3: 0.098, 6: 0.054, 7: 0.048, 8: 0.007, 10: 0.371, 11: 0.188, 12: 0.09, 13: 0.046, 14: 0.023, 16: 0.429, 17: 0.374, 18: 0.267, 19: 0.606, 20: 0.096, 21: 0.208, 22: 0.332, 23: 0.096, 29: 0.725, 30: 0.003, 34: 1.006, 35: 1.006, 39: 0.145, 40: 0.12, 41: 0.752, 42: 0.895,
+}
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
+def test_quantize_round_trip_error(gq, t):
+    cols = 1024
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(3))
+    im = torch.ones(cols) if t in gq.IMATRIX_TYPES else None
+    q = gq.quantize(x, t, im)
+    assert q.dtype == torch.uint8 and q.shape == (64, gq.row_bytes(t, cols))
+    back = gq.dequantize(q, t, 64, cols, torch.float32)
+    err = ((back - x).pow(2).mean() / x.pow(2).mean()).sqrt().item()
+    assert err <= ROUND_TRIP_BOUND[t], err
+
+
+def test_quantize_imatrix_required(gq):
+    with pytest.raises(ValueError, match="importance matrix"):
+        gq.quantize(torch.randn(2, 256), "IQ2_XXS")
+    with pytest.raises(ValueError, match="imatrix must be 1-D with 256"):
+        gq.quantize(torch.randn(2, 256), "IQ2_XXS", torch.ones(128))
+
+
+def test_quantize_rejects_nan(gq):
+    x = torch.randn(2, 256)
+    x[1, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        gq.quantize(x, "Q4_K")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def test_torch_compile_fullgraph(gq):
+    blocks, cols = make_weights(gq, 12)
+    experts = torch.stack([blocks, blocks])
+
+    def f(x, ids):
+        y = gq.mul_mat_vec(blocks, x, 12, ROWS) + gq.mul_mat(blocks, x, 12, ROWS)
+        z = gq.mul_mat_id(experts, x, ids, 12, ROWS).sum(1)
+        e = gq.get_rows(blocks, ids[:, 0], 12, cols, torch.float32)
+        return y + z, e + gq.dequantize(blocks, 12, ROWS, cols, torch.float32)[:1]
+
+    x = torch.randn(3, cols)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    for a, b in zip(compiled(x, ids), f(x, ids)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
