@@ -101,37 +101,61 @@ Runtime& runtime() {
   return *rt;
 }
 
-// ggml's threadpool and work buffer, reused across calls.
+// A ggml threadpool with its work buffer.
 struct Pool {
-  std::mutex mu;
   ggml_threadpool* threadpool = nullptr;
   int n_threads = 0;
-  uint32_t poll = 0;
   std::unique_ptr<uint8_t, decltype(&std::free)> work{nullptr, &std::free};
   size_t work_size = 0;
+
+  void run(ggml_cgraph* graph, int threads, uint32_t poll) {
+    const GgmlApi& G = ggml();
+    if (threadpool == nullptr || n_threads != threads) {
+      if (threadpool) G.ggml_threadpool_free(threadpool);
+      ggml_threadpool_params params = G.ggml_threadpool_params_default(threads);
+      params.poll = poll;
+      threadpool = G.ggml_threadpool_new(&params);
+      TORCH_CHECK(threadpool != nullptr, "ggml-kernels: could not start a ggml threadpool");
+      n_threads = threads;
+    }
+    ggml_cplan plan = G.ggml_graph_plan(graph, threads, threadpool);
+    if (plan.work_size > work_size) {
+      const size_t size = (plan.work_size + 63) / 64 * 64;
+      work.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size)));
+      TORCH_CHECK(work != nullptr, "ggml-kernels: out of memory for a ", size, "-byte work buffer");
+      work_size = size;
+    }
+    plan.work_data = work.get();
+    const ggml_status status = G.ggml_graph_compute(graph, &plan);
+    TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-kernels: ggml_graph_compute failed with status ",
+                static_cast<int>(status));
+  }
+
+  ~Pool() {
+    // A one-thread pool owns no threads; freeing it at thread exit only returns its memory.
+    if (threadpool && n_threads == 1) ggml().ggml_threadpool_free(threadpool);
+  }
 };
 
-Pool& pool() {
-  static Pool* p = [] {
-    auto* created = new Pool();
-    // A forked child has none of the parent's worker threads: forget the pool there (leaking it),
-    // so the child builds its own on first use instead of waiting on threads that do not exist.
+struct SharedPool {
+  std::mutex mu;
+  Pool pool;
+};
+
+SharedPool& shared_pool() {
+  static SharedPool* p = [] {
+    auto* created = new SharedPool();  // never destroyed: its workers may outlive static teardown
+    // A forked child has none of the parent's worker threads: forget the pool there (leaking it)
+    // so the child starts its own instead of waiting on threads that do not exist.
     pthread_atfork(nullptr, nullptr, [] {
-      Pool& pl = pool();
-      new (&pl.mu) std::mutex();
-      pl.threadpool = nullptr;
-      pl.n_threads = 0;
+      SharedPool& sp = shared_pool();
+      new (&sp.mu) std::mutex();
+      sp.pool.threadpool = nullptr;
+      sp.pool.n_threads = 0;
     });
     return created;
   }();
   return *p;
-}
-
-uint32_t poll_level() {
-  // ggml's polling level (0 = sleep right away between graphs, 100 = spin hardest).
-  const char* env = std::getenv("GGML_KERNELS_POLL");
-  if (env && *env) return static_cast<uint32_t>(std::clamp(std::atoi(env), 0, 100));
-  return 50;
 }
 
 }  // namespace
@@ -141,31 +165,15 @@ std::string cpu_variant() { return runtime().variant; }
 std::string runtime_path() { return runtime().path; }
 
 void compute_graph(ggml_cgraph* graph) {
-  const GgmlApi& G = ggml();
-  const int n_threads = std::max(1, std::min(at::get_num_threads(), GGML_MAX_N_THREADS));
-  Pool& p = pool();
-  std::lock_guard<std::mutex> lock(p.mu);
-  const uint32_t poll = poll_level();
-  if (p.threadpool == nullptr || p.n_threads != n_threads || p.poll != poll) {
-    if (p.threadpool) G.ggml_threadpool_free(p.threadpool);
-    ggml_threadpool_params params = G.ggml_threadpool_params_default(n_threads);
-    params.poll = poll;
-    p.threadpool = G.ggml_threadpool_new(&params);
-    TORCH_CHECK(p.threadpool != nullptr, "ggml-kernels: could not start ggml's threadpool");
-    p.n_threads = n_threads;
-    p.poll = poll;
-  }
-  ggml_cplan plan = G.ggml_graph_plan(graph, n_threads, p.threadpool);
-  if (plan.work_size > p.work_size) {
-    const size_t size = (plan.work_size + 63) / 64 * 64;
-    p.work.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size)));
-    TORCH_CHECK(p.work != nullptr, "ggml-kernels: out of memory for a ", size, "-byte work buffer");
-    p.work_size = size;
-  }
-  plan.work_data = p.work.get();
-  const ggml_status status = G.ggml_graph_compute(graph, &plan);
-  TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-kernels: ggml_graph_compute failed with status ",
-              static_cast<int>(status));
+  thread_local Pool pool;
+  pool.run(graph, 1, 0);
+}
+
+void compute_graph_threaded(ggml_cgraph* graph, int n_threads) {
+  n_threads = std::max(1, std::min(n_threads, GGML_MAX_N_THREADS));
+  SharedPool& sp = shared_pool();
+  std::lock_guard<std::mutex> lock(sp.mu);
+  sp.pool.run(graph, n_threads, /*poll=*/0);
 }
 
 }  // namespace ggml_kernels

@@ -49,8 +49,14 @@ const GgmlApi& ggml();
 std::string cpu_variant();
 std::string runtime_path();
 
-// Runs `graph` on ggml's CPU threadpool with as many threads as torch uses (at::get_num_threads()).
-// The threadpool and the work buffer persist between calls; calls are serialised.
+// Runs `graph` on the calling thread. Ops split their work over torch's threads (at::parallel_for,
+// see parallel_chunks in ggml_torch.h) and run one single-threaded ggml graph per slice, so ggml
+// starts no threads of its own and never competes with torch's thread pool for the cores. Each
+// torch thread keeps its own one-thread ggml threadpool and work buffer: no locks.
 void compute_graph(ggml_cgraph* graph);
+
+// Runs `graph` on ggml's own threadpool with n_threads threads (calls are serialised). For ops
+// that cannot be sliced from outside; the pool's workers sleep between graphs.
+void compute_graph_threaded(ggml_cgraph* graph, int n_threads);
 
 }  // namespace ggml_kernels

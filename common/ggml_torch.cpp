@@ -142,20 +142,29 @@ ggml_tensor* Graph::view(const at::Tensor& t) {
 ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t cols) {
   TORCH_CHECK_VALUE(blocks.dim() == 2 || blocks.dim() == 3, "packed weights are 2-D or 3-D, got ",
                     blocks.sizes());
+  TORCH_CHECK(blocks.stride(-1) == 1, "ggml-kernels: packed rows must be dense");
   const int64_t rows = blocks.size(-2);
   const int64_t experts = blocks.dim() == 3 ? blocks.size(0) : 1;
   ggml_tensor* g = ggml().ggml_new_tensor_3d(ctx_, type, cols, rows, experts);
   TORCH_CHECK(static_cast<int64_t>(g->nb[1]) == blocks.size(-1), "ggml-kernels: row size mismatch");
+  g->nb[1] = static_cast<size_t>(blocks.stride(-2));  // a row slice of a bigger matrix keeps its strides
+  g->nb[2] = blocks.dim() == 3 ? static_cast<size_t>(blocks.stride(0)) : g->nb[1] * rows;
+  g->nb[3] = g->nb[2] * experts;
   g->data = blocks.data_ptr();
   return g;
 }
 
 void Graph::compute(ggml_tensor* result, const at::Tensor& dst) {
   const auto& G = ggml();
-  TORCH_CHECK(dst.is_contiguous() && static_cast<size_t>(dst.nbytes()) == G.ggml_nbytes(result),
-              "ggml-kernels: output buffer does not match the graph result (", dst.nbytes(),
-              " vs ", G.ggml_nbytes(result), " bytes)");
+  const int nd = static_cast<int>(dst.dim());
+  bool same = nd >= 1 && nd <= 4 && ggml_type_of(dst.scalar_type()) == result->type &&
+              (dst.stride(-1) == 1 || dst.size(-1) == 1);
+  for (int i = 0; same && i < 4; ++i) same = result->ne[i] == (i < nd ? dst.size(nd - 1 - i) : 1);
+  TORCH_CHECK(same, "ggml-kernels: output buffer ", dst.sizes(), " does not match the graph result");
   if (dst.numel() == 0) return;
+  const int64_t es = static_cast<int64_t>(dst.element_size());
+  for (int i = 1; i < nd; ++i) result->nb[i] = static_cast<size_t>(dst.stride(nd - 1 - i) * es);
+  for (int i = std::max(nd, 1); i < 4; ++i) result->nb[i] = result->nb[i - 1] * result->ne[i - 1];
   result->data = dst.data_ptr();
   ggml_cgraph* graph = G.ggml_new_graph_custom(ctx_, graph_size_, false);
   G.ggml_build_forward_expand(graph, result);

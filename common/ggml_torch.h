@@ -3,6 +3,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include <initializer_list>
 #include <string>
@@ -44,11 +48,14 @@ class Graph {
   // The innermost dim must be dense; other strides are kept as they are (at most 4 dims).
   ggml_tensor* view(const at::Tensor& t);
   // A packed GGUF weight: blocks uint8 (rows, row_bytes) or (experts, rows, row_bytes) as ggml
-  // tensor {cols, rows[, experts]} of `type`.
+  // tensor {cols, rows[, experts]} of `type`. blocks may be a row slice (narrow along the rows) of
+  // a bigger packed matrix: its strides are kept.
   ggml_tensor* packed(const at::Tensor& blocks, ggml_type type, int64_t cols);
 
-  // Computes `result` straight into `dst` (contiguous, same number of bytes as `result`).
-  // Intermediate results are allocated as torch tensors that live as long as this Graph.
+  // Computes `result` straight into `dst`, a float32 tensor of the result's shape (dims reversed)
+  // whose last dim is dense; other strides may be anything, e.g. a column slice of a bigger output.
+  // Runs on the calling thread (compute_graph). Intermediate results are allocated as torch
+  // tensors that live as long as this Graph.
   void compute(ggml_tensor* result, const at::Tensor& dst);
 
  private:
@@ -56,5 +63,32 @@ class Graph {
   std::vector<at::Tensor> keep_alive_;
   int graph_size_;
 };
+
+// Splits [0, n) into chunks of at least `min_chunk` items, each a multiple of `align` (but the
+// last), and runs fn(begin, end) for every chunk on torch's threads. Threads take chunks from a
+// shared counter as ggml's own threadpool does, so a thread the OS wakes late (another process on
+// the core) leaves its share to the others instead of stalling the op; `chunks_per_thread` > 1
+// makes that finer. Small problems run inline on the calling thread.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t min_chunk, int64_t align, int64_t chunks_per_thread,
+                     const F& fn) {
+  if (n <= 0) return;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t tasks = std::clamp<int64_t>(n / std::max<int64_t>(1, min_chunk), 1,
+                                      threads * std::max<int64_t>(1, chunks_per_thread));
+  int64_t chunk = (n + tasks - 1) / tasks;
+  chunk = (chunk + align - 1) / align * align;
+  tasks = (n + chunk - 1) / chunk;
+  if (tasks == 1 || threads == 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < tasks; ++t) fn(t * chunk, std::min(n, (t + 1) * chunk));
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      fn(t * chunk, std::min(n, (t + 1) * chunk));
+    }
+  });
+}
 
 }  // namespace ggml_kernels

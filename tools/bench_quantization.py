@@ -23,7 +23,8 @@ For each (weight shape N x K, ggml type, M activation rows) it times, on the sam
 
 Weights are streamed from memory, as in a real decode: every cell cycles through enough copies
 of its weight to overflow the last-level cache (--hot times one cache-resident copy instead).
-Each number is the median of single-call timings over >= --min-time seconds after a warmup.
+Each number is the median (--stat) of single-call timings over >= --min-time seconds after a
+warmup, taken in --rounds interleaved rounds so that load from elsewhere hits every column alike.
 """
 
 from __future__ import annotations
@@ -106,37 +107,48 @@ def llc_bytes() -> int:
 
 
 def measure_bandwidth(gib: float, repeats: int = 5) -> float:
-    """DRAM read bandwidth in GB/s: the best of `repeats` sums of a buffer far larger than cache."""
+    """DRAM read bandwidth in GB/s: the best of `repeats` full reads of a buffer far larger than
+    cache, each done two ways (a sum and a dot product, on torch's threads), best of all."""
     n = int(gib * (1 << 30)) // 4
     buf = torch.ones(n, dtype=torch.float32)
-    buf.sum()  # fault the pages in, start torch's threads
     best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
+    for read in (lambda: buf.sum(), lambda: torch.dot(buf, buf)):
+        read()  # fault the pages in, start torch's threads
+        for _ in range(repeats):
+            t = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - t)
     del buf
     return n * 4 / best / 1e9
 
 
-def time_calls(fns, min_time: float, min_calls: int = 5) -> tuple[float, int]:
-    """Median seconds of one call, cycling through `fns` (one per weight copy)."""
-    n = len(fns)
-    # warmup: every copy once (pages faulted, caches in steady state), and at least ~min_time/5
-    t_end = time.perf_counter() + min_time / 5
-    i = 0
-    while i < max(n, 2) or time.perf_counter() < t_end:
-        fns[i % n]()
-        i += 1
-    samples = []
-    t_end = time.perf_counter() + min_time
-    while len(samples) < min_calls or time.perf_counter() < t_end:
-        f = fns[i % n]
-        i += 1
-        t = time.perf_counter()
-        f()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples), len(samples)
+class Timer:
+    """Single-call timings of one implementation, cycling through `fns` (one per weight copy)."""
+
+    def __init__(self, fns):
+        self.fns, self.i, self.samples = fns, 0, []
+
+    def warmup(self, seconds: float) -> None:
+        # every copy once (pages faulted, caches in steady state), and at least `seconds`
+        t_end = time.perf_counter() + seconds
+        while self.i < max(len(self.fns), 2) or time.perf_counter() < t_end:
+            self.fns[self.i % len(self.fns)]()
+            self.i += 1
+
+    def run(self, seconds: float, min_calls: int) -> None:
+        n, got = len(self.fns), 0
+        t_end = time.perf_counter() + seconds
+        while got < min_calls or time.perf_counter() < t_end:
+            f = self.fns[self.i % n]
+            self.i += 1
+            t = time.perf_counter()
+            f()
+            self.samples.append(time.perf_counter() - t)
+            got += 1
+
+    def stat(self, how: str) -> float:
+        s = sorted(self.samples)
+        return statistics.median(s) if how == "median" else s[0] if how == "min" else s[len(s) // 10]
 
 
 def n_copies(nbytes: int, rotate_bytes: int) -> int:
@@ -167,26 +179,20 @@ def run_cell(k, GgufLinear, rows, cols, type_name, m, args, rotate_bytes) -> Cel
     qs = [q] + [q.clone() for _ in range(copies - 1)]
     x = torch.randn(m, cols, generator=gen)
     cell = Cell(rows, cols, type_name, m, wbytes, copies)
-
-    def record(name, fns, settle):
-        sec, calls = time_calls(fns, args.min_time)
-        cell.times_us[name] = sec * 1e6
-        cell.calls[name] = calls
-        time.sleep(settle)
+    impls: dict[str, tuple[list, float]] = {}  # name -> (one callable per copy, settle seconds after)
+    keep = []  # what the callables need alive
 
     # ours
     op = k.mul_mat_vec if m <= 8 else k.mul_mat
-    record("ours", [lambda b=b: op(b, x, t, rows) for b in qs], SETTLE_AFTER_OURS_S)
+    impls["ours"] = ([lambda b=b: op(b, x, t, rows) for b in qs], SETTLE_AFTER_OURS_S)
 
     # ggml's own op
     if ggml_ctypes.available():
         graphs = [ggml_ctypes.MulMat(b.numpy(), t, cols, m, args.threads) for b in qs]
         for g in graphs:
             g.set_input(x.numpy())
-        record("ggml", [g.compute for g in graphs], SETTLE_S)
-        for g in graphs:
-            g.close()
-        del graphs
+        keep.append(graphs)
+        impls["ggml"] = ([g.compute for g in graphs], SETTLE_S)
 
     # transformers without a kernel: dense weights made at load, F.linear per call
     dense = k.dequantize(q, t, rows, cols, torch.float32)
@@ -194,22 +200,39 @@ def run_cell(k, GgufLinear, rows, cols, type_name, m, args, rotate_bytes) -> Cel
         d0 = dense.to(dtype)
         ds = [d0] + [d0.clone() for _ in range(n_copies(d0.numel() * d0.element_size(), rotate_bytes) - 1)]
         xd = x.to(dtype)
-        record(name, [lambda d=d: F.linear(xd, d) for d in ds], SETTLE_S)
-        del ds, d0
+        impls[name] = ([lambda d=d, xd=xd: F.linear(xd, d) for d in ds], SETTLE_S)
     del dense
 
     # transformers with the kernel, M > 8: GgufLinear unpacks with its own torch code per call
     if m > 8 and GgufLinear is not None:
         mods = []
-        for b in qs[: max(1, min(len(qs), 4))]:  # compute-bound: a few copies are plenty
+        for b in qs[:4]:  # compute-bound: a few copies are plenty
             lin = GgufLinear(cols, rows, t)
             lin.weight = torch.nn.Parameter(b, requires_grad=False)
             mods.append(lin)
-        with torch.inference_mode():
-            record("tf_unpack", [lambda lin=lin: lin(x) for lin in mods], SETTLE_S)
-        del mods
 
-    del qs, q
+        def unpack(lin):
+            with torch.inference_mode():
+                return lin(x)
+
+        impls["tf_unpack"] = ([lambda lin=lin: unpack(lin) for lin in mods], SETTLE_S)
+
+    # interleaved rounds, so a burst of load from elsewhere on the machine hits every column alike
+    timers = {name: Timer(fns) for name, (fns, _) in impls.items()}
+    per_round = args.min_time / args.rounds
+    for r in range(args.rounds):
+        for name, (_, settle) in impls.items():
+            if r == 0:
+                timers[name].warmup(args.min_time / 5)
+            timers[name].run(per_round, min_calls=2)
+            time.sleep(settle)
+    for name, tm in timers.items():
+        cell.times_us[name] = tm.stat(args.stat) * 1e6
+        cell.calls[name] = len(tm.samples)
+
+    for g in keep[0] if keep else []:
+        g.close()
+    del impls, timers, keep, qs, q
     gc.collect()
     return cell
 
@@ -272,6 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="threads for every implementation (default: torch's)")
     p.add_argument("--min-time", type=float, default=None, help="seconds of timed calls per cell (default 0.2, quick 0.1)")
     p.add_argument("--hot", action="store_true", help="time one cache-resident weight copy instead of streaming")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per cell (default 4)")
+    p.add_argument("--stat", choices=["median", "p10", "min"], default="median",
+                   help="statistic of the single-call times (default median; p10/min resist load from elsewhere)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -292,6 +318,10 @@ def main(argv=None) -> int:
     print(f"DRAM read bandwidth {bw:.1f} GB/s (best of 5 sums of a {0.5 if args.quick else 1.0:g} GiB buffer); "
           f"LLC {llc >> 20} MiB; weights {'cache-resident (--hot)' if args.hot else f'cycled over >= {rotate_bytes >> 20} MiB of copies'}",
           file=sys.stderr)
+    load0 = os.getloadavg()[0]
+    if load0 > 0.5:
+        print(f"warning: load average {load0:.2f} before starting: other processes share these cores, expect noise",
+              file=sys.stderr)
     if not ggml_ctypes.available():
         print(f"no ggml column: {ggml_ctypes.unavailable_reason()}", file=sys.stderr)
     if GgufLinear is None:
@@ -323,7 +353,8 @@ def main(argv=None) -> int:
               f"min {min(ratios):.2f}x; {len(slow)} of {len(ratios)} cells below 0.90x"
               + ("".join(f"\n  below: {c.rows}x{c.cols} {c.type} M={c.m}" for c in slow)))
     elapsed = time.perf_counter() - t_start
-    print(f"({elapsed:.0f} s)", file=sys.stderr)
+    print(f"({elapsed:.0f} s; {args.stat} of single calls; load average {load0:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end, DRAM {bw:.1f} GB/s)")
 
     if args.json:
         payload = {
@@ -331,7 +362,8 @@ def main(argv=None) -> int:
                 "ggml": k.info(), "oracle": ggml_ctypes.info() if ggml_ctypes.available() else None,
                 "torch": torch.__version__, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
                 "bandwidth_gbs": bw, "llc_bytes": llc, "rotate_bytes": rotate_bytes, "min_time_s": args.min_time,
-                "quick": args.quick, "elapsed_s": elapsed,
+                "quick": args.quick, "elapsed_s": elapsed, "stat": args.stat, "rounds": args.rounds,
+                "loadavg_start": load0, "loadavg_end": os.getloadavg()[0],
                 "transformers_path": "M<=8: kernel gemv; without a kernel: dense weights made at load (tf_f32/tf_bf16); "
                                      "M>8 with the kernel on CPU: per-call torch dequantize + matmul (tf_unpack)",
             },

@@ -26,14 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ggml_runtime  # noqa: E402
-import ninja  # noqa: E402
+import ninja_build as ninja  # noqa: E402
 import upstream  # noqa: E402
 
 REPO = upstream.REPO
 COMMON = REPO / "common"
 COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]
 CXXFLAGS = [
-    "-std=gnu++17", "-O2", "-fPIC", "-pthread", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+    # -fopenmp: at::parallel_for is inline and uses OpenMP pragmas; without it, it runs serially.
+    # At run time the libgomp.so.1 that torch itself loads (torch/lib) serves them: one thread pool.
+    "-std=gnu++20", "-O2", "-fPIC", "-pthread", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
     "-Wall", "-Wno-unused-function", "-include", str(COMMON / "glibc_compat.h"),
 ]
 MANYLINUX = "manylinux_2_28"
@@ -107,7 +109,7 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
         n.build(obj, rule, src, variables={"flags": ninja.quote(CXXFLAGS)})
         objs.append(obj)
     so = work / f"{ext_id}.abi3.so"
-    ldflags = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-Wl,-z,noexecstack", "-ldl"]
+    ldflags = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lgomp", "-Wl,-z,noexecstack", "-ldl"]
     n.build(so, "link", objs, variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
     ninja.run(work, jobs)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ninja  # noqa: E402  (tools/ninja.py)
+import ninja_build as ninja  # noqa: E402
 import upstream  # noqa: E402
 
 REPO = upstream.REPO

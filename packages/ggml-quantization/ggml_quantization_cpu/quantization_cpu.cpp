@@ -2,8 +2,9 @@
 //
 // mul_mat / mul_mat_id are one-op ggml graphs, so the numerics are llama.cpp's CPU backend's:
 // activation rows are quantized to the weight type's vec_dot_type, then ggml's SIMD dot products
-// (or llamafile's sgemm for larger batches) run on ggml's threadpool. dequantize / get_rows /
-// quantize call ggml's per-type row converters directly, rows spread over torch's threads.
+// (or llamafile's sgemm for larger batches) run. The weight's rows are split over torch's threads,
+// one single-threaded graph per slice writing its columns of the output, as ggml's own threadpool
+// would split them. dequantize / get_rows / quantize call ggml's per-type row converters directly.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -62,6 +63,10 @@ at::Tensor float_view(const at::Tensor& blocks, ggml_type type, int64_t cols) {
   return blocks.view(dt).view({blocks.size(0), cols});
 }
 
+// Weight rows a thread takes at least: ~64 KiB of packed weights, so tiny matrices stay on one
+// thread where waking another would cost more than it saves.
+int64_t min_rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 16) / row_bytes); }
+
 bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
 }
@@ -84,10 +89,15 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   if (m == 0 || out_features == 0) return out;
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  Graph g(8);
-  ggml_tensor* w = g.packed(blocks, type, k);
-  ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, g.view(xf));  // {N, M}
-  g.compute(y, out);
+  // Every chunk quantizes the activations again: cheap for decode (fine chunks balance better),
+  // not for prefill (one chunk per thread).
+  const int64_t per_thread = m <= 8 ? 4 : 1;
+  parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, per_thread, [&](int64_t n0, int64_t n1) {
+    Graph g(8);
+    ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
+    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, g.view(xf));  // {n1 - n0, M}
+    g.compute(y, out.narrow(1, n0, n1 - n0));
+  });
   return out;
 }
 
@@ -115,10 +125,13 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
 
   const at::Tensor xf = x.to(at::kFloat).contiguous().view({t, 1, k});  // one row per token, shared
   const at::Tensor ids32 = ids.to(at::kInt).contiguous();
-  Graph g(8);
-  ggml_tensor* as = g.packed(blocks, type, k);  // {K, N, E}
-  ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, g.view(xf), g.view(ids32));  // {N, n_ids, T}
-  g.compute(y, out);
+  const int64_t per_thread = t * n_ids <= 8 ? 4 : 1;
+  parallel_chunks(out_features, min_rows_per_task(blocks.size(2)), 16, per_thread, [&](int64_t n0, int64_t n1) {
+    Graph g(8);
+    ggml_tensor* as = g.packed(blocks.narrow(1, n0, n1 - n0), type, k);  // {K, n1 - n0, E}
+    ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, g.view(xf), g.view(ids32));
+    g.compute(y, out.narrow(2, n0, n1 - n0));  // {n1 - n0, n_ids, T}
+  });
   return out;
 }
 

