@@ -4,6 +4,7 @@
     nox -s tests                      # the test matrix (torch x packages)
     nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
+    nox -s demo                       # the main job (README)
 
 Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle wheel are cached in
 ~/.cache/ggml-kernels (GGML_KERNELS_CACHE), so nothing already built is built again.
@@ -73,9 +74,18 @@ def tests(session: nox.Session, torch: str) -> None:
 
 
 @nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a real GGUF model's weights through our kernels, checked and timed."""
+    _install(session, TORCH[0], *TEST_DEPS)
+    _build(session)
+    session.run("python", "tools/demo.py", *session.posargs, env=_env(session))
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Per-kernel benchmark tables: ours vs ggml's own op vs transformers vs the memory roofline."""
     _install(session, TORCH[0], *TEST_DEPS)
     _install_llama_cpp(session)
     _build(session)
-    session.run("python", "tools/bench_quantization.py", *session.posargs, env=_env(session))
+    for script in sorted((REPO / "tools").glob("bench_*.py")):  # one table per package
+        session.run("python", str(script.relative_to(REPO)), *session.posargs, env=_env(session))

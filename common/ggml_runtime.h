@@ -34,7 +34,11 @@ namespace ggml_kernels {
   X(ggml_threadpool_params_default) X(ggml_rms_norm) X(ggml_norm) X(ggml_mul) X(ggml_add)          \
   X(ggml_l2_norm) X(ggml_soft_max_ext) X(ggml_top_k) X(ggml_argsort) X(ggml_argsort_top_k)         \
   X(ggml_flash_attn_ext) X(ggml_flash_attn_ext_set_prec) X(ggml_ssm_conv) X(ggml_gated_delta_net)  \
-  X(ggml_silu)
+  X(ggml_silu) X(ggml_cast) X(ggml_sum_rows) X(ggml_div) X(ggml_scale) X(ggml_sigmoid)              \
+  X(ggml_softplus) X(ggml_exp) X(ggml_concat) X(ggml_transpose) X(ggml_sqr) X(ggml_sqrt) X(ggml_neg)  \
+  X(ggml_soft_max) X(ggml_scale_bias) X(ggml_clamp) X(ggml_swiglu_split) X(ggml_cumsum)            \
+  X(ggml_set_rows) X(ggml_pad) X(ggml_dup) X(ggml_cont_2d) X(ggml_cont_3d) X(ggml_cont_4d)          \
+  X(ggml_view_tensor) X(ggml_arange) X(ggml_fill) X(ggml_get_first_tensor)
 
 struct GgmlApi {
 #define GGML_KERNELS_MEMBER(name) decltype(&::name) name = nullptr;
