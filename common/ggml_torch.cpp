@@ -154,7 +154,7 @@ ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t col
   return g;
 }
 
-void Graph::compute(ggml_tensor* result, const at::Tensor& dst) {
+void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
   const auto& G = ggml();
   const int nd = static_cast<int>(dst.dim());
   bool same = nd >= 1 && nd <= 4 && ggml_type_of(dst.scalar_type()) == result->type &&
@@ -180,7 +180,11 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst) {
       node->data = reinterpret_cast<void*>((addr + 63) & ~uintptr_t(63));
     }
   }
-  compute_graph(graph);
+  if (n_threads > 1) {
+    compute_graph_threaded(graph, n_threads);
+  } else {
+    compute_graph(graph);
+  }
 }
 
 }  // namespace ggml_kernels

@@ -54,9 +54,10 @@ class Graph {
 
   // Computes `result` straight into `dst`, a float32 tensor of the result's shape (dims reversed)
   // whose last dim is dense; other strides may be anything, e.g. a column slice of a bigger output.
-  // Runs on the calling thread (compute_graph). Intermediate results are allocated as torch
-  // tensors that live as long as this Graph.
-  void compute(ggml_tensor* result, const at::Tensor& dst);
+  // Runs on the calling thread (compute_graph), or with n_threads > 1 on ggml's own threadpool
+  // (compute_graph_threaded) for ops whose best split is ggml's internal one. Intermediate results
+  // are allocated as torch tensors that live as long as this Graph.
+  void compute(ggml_tensor* result, const at::Tensor& dst, int n_threads = 1);
 
  private:
   ggml_context* ctx_ = nullptr;

@@ -1,0 +1,162 @@
+// ggml-attn on the CPU: ggml-cpu's flash_attn_ext on views of the torch tensors.
+//
+// Layout: torch q (B, Hq, Sq, D) is ggml's {D, Sq, Hq, B}; ggml's result {Dv, Hq, Sq, B} is torch's
+// (B, Sq, Hq, Dv), the layout transformers wants back. GQA is native (query head h reads KV head
+// h / (Hq / Hkv), as transformers' repeat_kv). Masks become ggml's additive f16 mask.
+//
+// Work split: prefill slices the query rows of each batch entry over torch's threads, one
+// single-threaded graph per slice (aligned to ggml's 64-row tiles); decode (one query row) runs one
+// graph per batch entry, on torch's threads when there are enough entries, else on ggml's own pool,
+// whose split-KV path divides a long cache between the threads.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+#include "ggml_torch.h"
+#include "torch_binding.h"
+
+using namespace ggml_kernels;
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 1024;
+constexpr int64_t kQueryTile = 64;  // ggml-cpu's flash-attention query tile (GGML_FA_TILE_Q)
+constexpr int64_t kSplitKvMin = 512;  // ggml splits one query's keys over threads from here
+
+// The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous.
+// Undefined when nothing is masked.
+at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int64_t b, int64_t hq,
+                         int64_t sq, int64_t skv) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    at::Tensor mm = *mask;
+    check_cpu(mm, "mask");
+    check_dtype(mm, {at::kBool, at::kFloat, at::kHalf, at::kBFloat16}, "mask");
+    TORCH_CHECK_VALUE(mm.dim() >= 2 && mm.dim() <= 4, "mask must be (Sq, Skv), (B, Sq, Skv) or ",
+                      "(B, 1 or Hq, Sq, Skv), got shape ", mm.sizes());
+    if (mm.dim() == 2) mm = mm.view({1, 1, mm.size(0), mm.size(1)});
+    if (mm.dim() == 3) mm = mm.unsqueeze(1);
+    TORCH_CHECK_VALUE(mm.size(3) == skv && mm.size(2) == sq && (mm.size(1) == 1 || mm.size(1) == hq) &&
+                          (mm.size(0) == 1 || mm.size(0) == b),
+                      "mask of shape ", mask->sizes(), " does not broadcast to (B, Hq, Sq, Skv) = (", b,
+                      ", ", hq, ", ", sq, ", ", skv, ")");
+    if (mm.scalar_type() == at::kBool) {
+      m = at::zeros(mm.sizes(), mm.options().dtype(at::kHalf));
+      m.masked_fill_(mm.logical_not(), neg_inf);
+    } else {
+      m = mm.to(at::kHalf).contiguous();  // below f16's range is -inf: still masked
+    }
+  }
+  // Causal, aligned bottom-right: query i sees keys j <= i + (Skv - Sq). One query sees them all.
+  const bool causal_masks_something = causal && sq > 1;
+  if (causal_masks_something || (causal && skv < sq)) {
+    auto opts = at::TensorOptions().dtype(at::kLong);
+    at::Tensor hidden = at::arange(skv, opts).unsqueeze(0) > (at::arange(sq, opts).unsqueeze(1) + (skv - sq));
+    if (!m.defined()) m = at::zeros({1, 1, sq, skv}, at::TensorOptions().dtype(at::kHalf));
+    m.masked_fill_(hidden, neg_inf);
+  }
+  return m.defined() ? m.contiguous() : m;
+}
+
+ggml_tensor* attention(Graph& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& mask, float scale, float softcap, const at::Tensor& sinks) {
+  const auto& G = ggml();
+  ggml_tensor* out = G.ggml_flash_attn_ext(g.ctx(), g.view(q), g.view(k), g.view(v),
+                                           mask.defined() ? g.view(mask) : nullptr, scale, 0.0f, softcap);
+  G.ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+  if (sinks.defined()) G.ggml_flash_attn_ext_add_sinks(out, g.view(sinks));
+  return out;
+}
+
+}  // namespace
+
+at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, bool causal, double scale,
+                          double softcap, const std::optional<at::Tensor>& sinks) {
+  check_cpu(q, "query");
+  check_cpu(k, "key");
+  check_cpu(v, "value");
+  for (auto [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}}) {
+    check_dtype(*t, {at::kFloat, at::kHalf, at::kBFloat16}, name);
+    check_dim(*t, 4, name);
+  }
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+                   "query, key and value must share one dtype, got ", q.scalar_type(), ", ",
+                   k.scalar_type(), ", ", v.scalar_type());
+  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(1), skv = k.size(2), dv = v.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "batch sizes differ: query ", b, ", key ",
+                    k.size(0), ", value ", v.size(0));
+  TORCH_CHECK_VALUE(v.size(1) == hkv && v.size(2) == skv, "key ", k.sizes(), " and value ", v.sizes(),
+                    " must have the same heads and length");
+  TORCH_CHECK_VALUE(hkv > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of key/value heads (",
+                    hkv, ")");
+  TORCH_CHECK_VALUE(k.size(3) == d, "query head dim ", d, " != key head dim ", k.size(3));
+  TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim && dv >= 1 && dv <= kMaxHeadDim, "head dim ", d, "/", dv,
+                    " is not supported (1..", kMaxHeadDim, ")");
+  TORCH_CHECK_VALUE(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0,
+                    "scale must be finite and softcap finite and >= 0");
+  at::Tensor sinks32;
+  if (sinks.has_value() && sinks->defined()) {
+    check_cpu(*sinks, "sinks");
+    check_dtype(*sinks, {at::kFloat, at::kHalf, at::kBFloat16}, "sinks");
+    TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq, "sinks must hold one value per query head (",
+                      hq, "), got shape ", sinks->sizes());
+    sinks32 = sinks->to(at::kFloat).contiguous();
+  }
+
+  auto out = at::empty({b, sq, hq, dv}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out.to(q.scalar_type());
+  if (skv == 0) return out.zero_().to(q.scalar_type());  // nothing to attend to
+
+  const float s = scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(d)) : static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
+  // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
+  const at::Tensor q32 = q.stride(3) == 1 ? q.to(at::kFloat) : q.to(at::kFloat).contiguous();
+  const at::Tensor kk = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vv = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor m = additive_mask(mask, causal, b, hq, sq, skv);
+  auto mask_rows = [&](int64_t bi, int64_t i0, int64_t n) {
+    if (!m.defined()) return m;
+    return m.select(0, m.size(0) == 1 ? 0 : bi).narrow(1, i0, n).unsqueeze(0).contiguous();
+  };
+
+  if (sq > 1) {  // prefill: query rows of each batch entry over torch's threads
+    const int64_t work_per_row = hq * skv * std::max(d, dv);
+    const int64_t min_rows = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, work_per_row));
+    for (int64_t bi = 0; bi < b; ++bi) {
+      parallel_chunks(sq, min_rows, sq >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
+        Graph g(16);
+        ggml_tensor* r = attention(g, q32.select(0, bi).narrow(1, i0, i1 - i0), kk.select(0, bi), vv.select(0, bi),
+                                   mask_rows(bi, i0, i1 - i0), s, cap, sinks32);
+        g.compute(r, out.select(0, bi).narrow(0, i0, i1 - i0));
+      });
+    }
+  } else {  // decode: one graph per batch entry
+    const int64_t threads = at::get_num_threads();
+    auto one = [&](int64_t bi, int n_threads) {
+      Graph g(16);
+      ggml_tensor* r = attention(g, q32.select(0, bi), kk.select(0, bi), vv.select(0, bi), mask_rows(bi, 0, 1),
+                                 s, cap, sinks32);
+      g.compute(r, out.select(0, bi), n_threads);
+    };
+    if (b >= threads || threads == 1) {
+      parallel_chunks(b, 1, 1, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t bi = b0; bi < b1; ++bi) one(bi, 1);
+      });
+    } else {
+      for (int64_t bi = 0; bi < b; ++bi) one(bi, skv >= kSplitKvMin ? static_cast<int>(threads) : 1);
+      if (m.defined() && skv >= kSplitKvMin) {
+        // ggml's split-KV reduction divides by the softmax sum without a zero guard: a query whose
+        // keys are all masked must read zeros (as on every other path), not NaN.
+        at::Tensor dead = (m == -std::numeric_limits<float>::infinity()).all(-1);  // (Bm, Hm, 1)
+        dead = dead.expand({b, hq, 1}).permute({0, 2, 1}).unsqueeze(-1);          // (B, 1, Hq, 1)
+        if (dead.any().item<bool>()) out.masked_fill_(dead, 0.0f);
+      }
+    }
+  }
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}

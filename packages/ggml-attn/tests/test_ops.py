@@ -1,0 +1,175 @@
+"""ggml-attn against the float64 reference (reference.py) and torch's SDPA.
+
+Tolerances: with float32 q/k/v, ggml accumulates in float32 with an online softmax; the difference
+to float64 attention is float32 rounding over Skv terms, ~1e-6 of the output scale (2e-5 allows for
+caches of 16k keys). With float16/bfloat16 inputs ggml rounds q to the K dtype for the dot
+products and the output is rounded to that dtype; with an f16 V it also accumulates the weighted
+values in f16 (as llama.cpp does with its f16 cache), an error growing like sqrt(Skv) f16 ulps:
+f16 1e-2 of the output scale for 700 keys (3.6e-3 measured), bf16 1.6e-2 (two bf16 ulps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def qkv(b, hq, hkv, sq, skv, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, sq, d, generator=g).to(dtype), torch.randn(b, hkv, skv, d, generator=g).to(dtype),
+            torch.randn(b, hkv, skv, d, generator=g).to(dtype))
+
+
+SHAPES = [  # b, hq, hkv, sq, skv, d
+    (1, 8, 2, 1, 37, 64),  # decode, GQA 4
+    (3, 4, 2, 1, 50, 256),  # batched decode
+    (1, 2, 1, 1, 700, 128),  # decode on a long cache: ggml's split-KV path
+    (2, 8, 2, 130, 130, 128),  # prefill past one 64-row tile
+    (1, 4, 4, 5, 600, 64),  # a few queries against a longer cache
+    (1, 6, 3, 64, 64, 80),  # exactly one tile, odd head count per group
+    (2, 2, 2, 17, 40, 40),  # odd sizes
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_against_reference(ga, shape, causal):
+    q, k, v = qkv(*shape)
+    out = ga.flash_attn(q, k, v, causal=causal)
+    assert out.shape == (shape[0], shape[1], shape[3], shape[5]) and out.dtype == torch.float32
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, causal=causal)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: "x".join(map(str, s)))
+def test_against_sdpa(ga, shape):
+    """An oracle we did not write: torch's SDPA (math backend) with GQA and a bottom-right causal mask."""
+    q, k, v = qkv(*shape)
+    sq, skv = shape[3], shape[4]
+    visible = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    assert rel_err(ga.flash_attn(q, k, v, causal=True), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
+def test_half_dtypes(ga, shape, dtype):
+    q, k, v = qkv(*shape, dtype=dtype)
+    out = ga.flash_attn(q, k, v, causal=True)
+    assert out.dtype == dtype
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, causal=True)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("form", ["2d", "3d", "4d", "per_head", "additive"])
+def test_mask_forms(ga, form):
+    b, hq, hkv, sq, skv, d = 2, 4, 2, 9, 23, 64
+    q, k, v = qkv(b, hq, hkv, sq, skv, d)
+    keep = torch.rand(b, hq, sq, skv, generator=torch.Generator().manual_seed(5)) > 0.3
+    keep[..., -1] = True  # no empty row here (tested separately)
+    mask = {"2d": keep[0, 0], "3d": keep[:, 0], "4d": keep[:, :1], "per_head": keep,
+            "additive": torch.zeros(b, 1, sq, skv).masked_fill(~keep[:, :1], float("-inf"))}[form]
+    out = ga.flash_attn(q, k, v, mask=mask)
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, mask=mask)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("sq,skv", [(70, 70), (1, 40), (1, 600), (3, 700)])
+def test_fully_masked_rows_are_zero(ga, sq, skv):
+    """Left padding: the padded positions of the second sequence see no key at all."""
+    b, hq, hkv, d = 2, 4, 2, 64
+    q, k, v = qkv(b, hq, hkv, sq, skv, d)
+    mask = torch.ones(b, 1, sq, skv, dtype=torch.bool).tril(diagonal=skv - sq)
+    mask[1, :, :, :5] = False
+    if sq > 1:
+        mask[1, :, :5, :] = False  # padded queries
+    else:
+        mask[1] = False  # a decode query with nothing to see
+    out = ga.flash_attn(q, k, v, mask=mask)
+    assert torch.isfinite(out).all()
+    ref = ga.reference.flash_attn(q, k, v, mask=mask)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    dead = ~mask.any(-1)  # (b, 1, sq)
+    assert out.transpose(1, 2)[dead.squeeze(1)].abs().max().item() == 0.0
+
+
+def test_causal_combined_with_mask(ga):
+    q, k, v = qkv(1, 4, 2, 12, 20, 64)
+    mask = torch.ones(1, 1, 12, 20, dtype=torch.bool)
+    mask[..., 3] = False
+    out = ga.flash_attn(q, k, v, mask=mask, causal=True)
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, mask=mask, causal=True)) < TOL[torch.float32]
+
+
+def test_scale_softcap_sinks(ga):
+    q, k, v = qkv(1, 8, 2, 3, 40, 64)
+    sinks = torch.randn(8)
+    for kw in ({"scale": 0.3}, {"softcap": 30.0}, {"sinks": sinks}, {"scale": 0.1, "softcap": 5.0, "sinks": sinks}):
+        out = ga.flash_attn(q, k, v, causal=True, **kw)
+        assert rel_err(out, ga.reference.flash_attn(q, k, v, causal=True, **kw)) < TOL[torch.float32], kw
+
+
+def test_non_contiguous_inputs(ga):
+    """transformers hands over views (e.g. q from a transpose): strides are honoured without copies."""
+    q, k, v = qkv(2, 4, 2, 10, 10, 64)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, S, D) view with heads-inner strides
+    out = ga.flash_attn(qt, k, v, causal=True)
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, causal=True)) < TOL[torch.float32]
+    kt = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # innermost dim strided: copied
+    assert rel_err(ga.flash_attn(q, kt, v, causal=True), ga.reference.flash_attn(q, k, v, causal=True)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("d", [8, 40, 96, 100, 192, 256, 512])
+def test_head_dims(ga, d):
+    assert ga.supports_flash_attn(d, torch.float32)
+    q, k, v = qkv(1, 2, 1, 4, 30, d)
+    assert rel_err(ga.flash_attn(q, k, v, causal=True), ga.reference.flash_attn(q, k, v, causal=True)) < TOL[torch.float32]
+
+
+def test_supports_flash_attn(ga):
+    assert ga.supports_flash_attn(128, torch.bfloat16)
+    assert not ga.supports_flash_attn(2048, torch.float32)
+    assert not ga.supports_flash_attn(64, torch.float64)
+
+
+def test_flash_attn_forward_contract(ga):
+    """transformers' interface: mask None = causal bottom-right; output (B, Sq, Hq, D), None."""
+    q, k, v = qkv(2, 8, 2, 5, 12, 64)
+    out, weights = ga.flash_attn_forward(torch.nn.Module(), q, k, v, None, scaling=0.125)
+    assert weights is None and out.shape == (2, 5, 8, 64) and out.is_contiguous()
+    ref = ga.reference.flash_attn(q, k, v, causal=True, scale=0.125).transpose(1, 2)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    mask = torch.ones(2, 1, 5, 12, dtype=torch.bool)
+    mask[0, ..., :2] = False
+    out, _ = ga.flash_attn_forward(torch.nn.Module(), q, k, v, mask, scaling=0.125)
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, mask=mask, scale=0.125).transpose(1, 2)) < TOL[torch.float32]
+
+
+def test_thread_count_does_not_change_results(ga):
+    q, k, v = qkv(1, 4, 2, 200, 200, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ga.flash_attn(q, k, v, causal=True)
+        torch.set_num_threads(2)
+        two = ga.flash_attn(q, k, v, causal=True)
+    finally:
+        torch.set_num_threads(before)
+    assert rel_err(one, two) < 1e-6  # the row split changes nothing per row; tiles may differ by an ulp
+
+
+def test_empty(ga):
+    q, k, v = qkv(1, 2, 1, 0, 5, 64)
+    assert ga.flash_attn(q, k, v).shape == (1, 2, 0, 64)
+    q, k, v = qkv(1, 2, 1, 3, 0, 64)
+    assert ga.flash_attn(q, k, v).abs().sum() == 0
+
+
+def test_torch_compile_fullgraph(ga):
+    q, k, v = qkv(1, 4, 2, 6, 6, 64)
+    f = torch.compile(lambda q, k, v: ga.flash_attn(q, k, v, causal=True) * 2, fullgraph=True, backend="eager")
+    torch.testing.assert_close(f(q, k, v), ga.flash_attn(q, k, v, causal=True) * 2, rtol=0, atol=0)

@@ -1,0 +1,83 @@
+"""Flash attention on ggml's kernels (ggml_flash_attn_ext), for prefill and decode.
+
+- `flash_attn(q, k, v, mask=None, scale=None, causal=False, softcap=None, sinks=None)`: SDPA's
+  layout, q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) with Hq a multiple of Hkv (GQA without repeating
+  K/V) -> (B, Hq, Sq, D).
+- `flash_attn_forward(module, query, key, value, attention_mask, ...)`: transformers' attention
+  interface (`model.set_attn_implementation("ggml-org/ggml-attn")`), returns ((B, Sq, Hq, D), None).
+- `supports_flash_attn(head_dim, dtype)`: what the kernel handles.
+
+A query whose keys are all masked (left padding) gets zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layers, reference
+from ._ops import add_op_namespace_prefix, ops
+
+__all__ = ["MAX_HEAD_DIM", "SUPPORTED_DTYPES", "flash_attn", "flash_attn_forward", "layers", "reference", "supports_flash_attn"]
+
+MAX_HEAD_DIM = 1024
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supports_flash_attn(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this build computes attention for this head dim and dtype (ggml-cpu takes any head
+    dim up to MAX_HEAD_DIM and float32/float16/bfloat16 q/k/v)."""
+    return 1 <= int(head_dim) <= MAX_HEAD_DIM and dtype in SUPPORTED_DTYPES
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [softcapped] + mask) v, like SDPA: (B, Hq, Sq, D) -> (B, Hq, Sq, Dv).
+
+    mask: bool (True = attend) or additive float, broadcastable to (B, Hq, Sq, Skv) from (Sq, Skv),
+    (B, Sq, Skv) or (B, 1|Hq, Sq, Skv). causal: keys after each query's position are masked,
+    aligned bottom-right (the last query sees every key), combined with mask if both are given.
+    softcap: logits -> softcap * tanh(logits / softcap). sinks: one extra logit per query head.
+    """
+    out = ops.flash_attn(q, k, v, mask, bool(causal), float(scale or 0.0), float(softcap or 0.0), sinks)
+    return out.transpose(1, 2)
+
+
+def flash_attn_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface. attention_mask None means causal (bottom-right); else a
+    bool (B, 1, Sq, Skv) mask, True = attend. Returns ((B, Sq, Hq, D), None)."""
+    if dropout and module.training:
+        raise ValueError("ggml-attn is an inference kernel: dropout is not supported")
+    if attention_mask is None:
+        causal = True if is_causal is None else bool(is_causal)
+    else:
+        causal = False
+    softcap = kwargs.get("softcap") or getattr(module, "attn_logit_softcapping", None)
+    sinks = kwargs.get("s_aux")
+    out = ops.flash_attn(query, key, value, attention_mask, causal, float(scaling or 0.0), float(softcap or 0.0), sinks)
+    return out, None
+
+
+@torch.library.register_fake(add_op_namespace_prefix("flash_attn"))
+def _flash_attn_fake(q, k, v, mask, causal, scale, softcap, sinks):
+    devices = {t.device for t in (q, k, v, mask, sinks) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"flash_attn: all tensors must be on one device, got {sorted(map(str, devices))}")
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))

@@ -1,0 +1,10 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+// CPU backend (ggml_attn_cpu/attn_cpu.cpp).
+at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, bool causal, double scale,
+                          double softcap, const std::optional<at::Tensor>& sinks);

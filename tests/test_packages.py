@@ -1,0 +1,65 @@
+"""Every package build, the way the Hub and kernels see it: loads through get_kernel in a fresh
+process, exports what `__all__` promises, carries valid metadata, and passes kernel-abi-check
+(manylinux_2_28, abi3) with every ggml CPU level beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from kernel_testing import backend_kwargs, hub_ids, local_kernels_env
+
+PACKAGES = hub_ids()
+LEVELS = ["x64", "haswell", "skylakex", "zen4"]
+
+
+def variant_dirs(path):
+    return sorted(p for p in (path / "build").glob("torch*-cpu-*") if p.is_dir())
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_get_kernel_in_fresh_process(repo_id):
+    code = f"""
+import json, kernels
+k = kernels.get_kernel({repo_id!r}, version=1, **{backend_kwargs()!r})
+missing = [n for n in k.__all__ if not hasattr(k, n)]
+print("RESULT" + json.dumps({{"missing": missing, "all": sorted(k.__all__)}}))
+"""
+    env = dict(os.environ, LOCAL_KERNELS=local_kernels_env(), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[6:])
+    assert res["all"] and res["missing"] == []
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_build_layout_and_metadata(repo_id):
+    from kernels import Metadata
+
+    dirs = variant_dirs(PACKAGES[repo_id])
+    assert dirs, f"{repo_id} has no build"
+    for d in dirs:
+        meta = json.loads((d / "metadata.json").read_text())
+        assert meta["name"] == PACKAGES[repo_id].name and meta["version"] == 1
+        assert meta["backend"] == {"type": "cpu"}
+        Metadata.read_from_file(d / "metadata.json")  # kernels' own parser accepts it
+        ext = list(d.glob(f"{meta['id']}.abi3.so"))
+        assert len(ext) == 1 and (d / "_ops.py").read_text().count(meta["id"]) >= 2
+        for name in ("__init__.py", "layers.py", "reference.py"):
+            assert (d / name).exists(), name
+        for level in LEVELS:
+            assert (d / f"libggml-kernels-cpu-{level}.so").exists(), level
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_abi(repo_id):
+    kernel_abi_check = pytest.importorskip("kernel_abi_check")
+    for d in variant_dirs(PACKAGES[repo_id]):
+        for so in sorted(d.glob("*.so")):
+            obj = kernel_abi_check.ObjectFile(str(so))
+            assert list(obj.check_manylinux("manylinux_2_28")) == [], so.name
+            if so.name.endswith(".abi3.so"):
+                assert list(obj.check_python_abi("3.9")) == [], so.name
