@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,17 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_testing  # noqa: E402
+from benchutil import median_time  # noqa: E402
 import models  # noqa: E402
-
-
-def median_time(fn, min_time: float = 0.3, min_runs: int = 3) -> float:
-    fn()  # warm up
-    times, start = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
