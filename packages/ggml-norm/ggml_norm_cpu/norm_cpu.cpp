@@ -1,0 +1,226 @@
+// ggml-norm on the CPU: every op is a small ggml graph run by ggml-cpu's own code on views of the
+// torch tensors.
+//
+// x (..., n) is seen as rows of n values. The rows are split over torch's threads
+// (parallel_chunks), one single-threaded graph per row slice writing its rows of the output, as
+// ggml's own threadpool would split them; a slice is at least kMinChunkBytes of float32 rows, so a
+// decode step (a few rows) runs on the calling thread.
+//
+// ggml-cpu's RMS_NORM and L2_NORM read float32 only: bf16/f16 inputs are converted inside the
+// graph (a GGML_OP_CPY node per slice) and the result is converted back by the graph's last node,
+// written straight into the output. The norm's sum of squares is accumulated in double by ggml, the
+// rest is float32. RMS_NORM directly followed by MUL (the weight) is one fused pass in ggml-cpu
+// (ggml_cpu_try_fuse_ops), as long as the weight is a float32 leaf: weights are therefore made
+// float32 once per call, before the graphs (F32Vector).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ggml_torch.h"
+#include "torch_binding.h"
+
+using namespace ggml_kernels;
+
+namespace {
+
+// Rows a slice takes at least, in float32 bytes: below this one thread does the whole op, since
+// waking another costs more than the pass itself.
+constexpr int64_t kMinChunkBytes = int64_t{1} << 16;
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 18;
+
+int64_t min_rows_per_task(int64_t n) { return std::max<int64_t>(1, kMinChunkBytes / (4 * n)); }
+
+void check_float(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf}, name);
+}
+
+void check_input(const at::Tensor& x) {
+  check_float(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must have at least one dim (..., n), got a 0-D tensor");
+}
+
+void check_eps(double eps) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", eps);
+}
+
+// A per-feature parameter (weight, bias): 1-D with x's last dim.
+void check_vector(const at::Tensor& w, int64_t n, const char* name) {
+  check_float(w, name);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == n, name, " must be 1-D with ", n,
+                    " values (x's last dim), got shape ", w.sizes());
+}
+
+// x as (rows, n) with a dense last dim (a view when x allows one).
+at::Tensor as_rows(const at::Tensor& x) {
+  const int64_t n = x.size(-1);
+  at::Tensor x2 = x.reshape({x.numel() / n, n});
+  return x2.stride(1) == 1 || n == 1 ? x2 : x2.contiguous();
+}
+
+// A per-feature parameter (weight, bias) as the float32 vector ggml's binary ops broadcast over the
+// rows: the tensor's own memory when it already is one, else converted once per call here (plain
+// loops: a torch op per call would cost more than a decode step's norm), 1 + w if plus_one.
+class F32Vector {
+ public:
+  F32Vector() = default;
+  F32Vector(const at::Tensor& w, bool plus_one) {
+    if (w.scalar_type() == at::kFloat && w.stride(0) == 1 && !plus_one) {
+      own_ = w.data_ptr<float>();
+      n_ = w.size(0);
+      return;
+    }
+    const at::Tensor wc = w.contiguous();
+    n_ = wc.size(0);
+    buf_.resize(static_cast<size_t>(n_));
+    const float add = plus_one ? 1.0f : 0.0f;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "ggml_norm_weight", [&] {
+      const scalar_t* src = wc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n_; ++i) buf_[i] = static_cast<float>(src[i]) + add;
+    });
+  }
+  // A ggml tensor {n} over the values (valid while this object lives).
+  ggml_tensor* view(Graph& g) const {
+    ggml_tensor* t = ggml().ggml_new_tensor_1d(g.ctx(), GGML_TYPE_F32, n_);
+    t->data = const_cast<float*>(own_ != nullptr ? own_ : buf_.data());
+    return t;
+  }
+
+ private:
+  const float* own_ = nullptr;  // the tensor's memory, when used as is
+  int64_t n_ = 0;
+  std::vector<float> buf_;
+};
+
+ggml_tensor* cast_to(Graph& g, ggml_tensor* t, ggml_type type) {
+  return t->type == type ? t : ggml().ggml_cast(g.ctx(), t, type);
+}
+
+// t (float32) rounded to `type` and back: what torch's `t.to(dtype)` does to the values.
+ggml_tensor* round_to(Graph& g, ggml_tensor* t, ggml_type type) {
+  return type == GGML_TYPE_F32 ? t : cast_to(g, cast_to(g, t, type), GGML_TYPE_F32);
+}
+
+// fn(row0, row1) over slices of `rows` rows of n values: at least kMinChunkBytes each, and for
+// big inputs at most about kMaxChunkBytes, so that a slice's float32 intermediates (the converted
+// input, the weighted norm) stay in cache between the graph's passes and come from malloc's free
+// lists instead of fresh pages.
+template <typename F>
+void for_row_slices(int64_t rows, int64_t n, const F& fn) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t per_thread = std::max<int64_t>(1, rows * n * 4 / (threads * kMaxChunkBytes));
+  parallel_chunks(rows, min_rows_per_task(n), 1, per_thread, fn);
+}
+
+}  // namespace
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, double eps, bool zero_centered,
+                        bool cast_before_weight) {
+  check_input(x);
+  check_eps(eps);
+  const int64_t n = x.size(-1);
+  const bool has_w = weight.has_value() && weight->defined();
+  const bool has_b = bias.has_value() && bias->defined();
+  if (has_w) check_vector(*weight, n, "weight");
+  if (has_b) check_vector(*bias, n, "bias");
+  TORCH_CHECK_VALUE(has_w || !zero_centered, "zero_centered needs a weight: it computes norm(x) * (1 + weight)");
+  if (cast_before_weight) {
+    TORCH_CHECK_VALUE(has_w, "cast_before_weight needs a weight: it computes weight * norm(x).to(x.dtype)");
+    TORCH_CHECK_VALUE(!zero_centered && !has_b,
+                      "cast_before_weight (Llama's rounding: weight * norm(x).to(x.dtype)) takes no "
+                      "bias and cannot be zero_centered");
+  }
+  const at::ScalarType out_dtype =
+      cast_before_weight ? at::promote_types(x.scalar_type(), weight->scalar_type()) : x.scalar_type();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (x.numel() == 0) return out;
+
+  const at::Tensor x2 = as_rows(x);
+  const at::Tensor out2 = out.view({x2.size(0), n});
+  const F32Vector w = has_w ? F32Vector(*weight, zero_centered) : F32Vector();
+  const F32Vector b = has_b ? F32Vector(*bias, false) : F32Vector();
+  const ggml_type x_type = ggml_type_of(x.scalar_type());
+  const ggml_type out_type = ggml_type_of(out_dtype);
+  const float feps = static_cast<float>(eps);
+  for_row_slices(x2.size(0), n, [&](int64_t r0, int64_t r1) {
+    const auto& G = ggml();
+    Graph g(16);
+    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, g.view(x2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32), feps);
+    if (cast_before_weight) y = round_to(g, y, x_type);
+    if (has_w) y = G.ggml_mul(g.ctx(), y, w.view(g));  // fused with the norm when it follows it
+    if (has_b) y = G.ggml_add(g.ctx(), y, b.view(g));
+    g.compute(cast_to(g, y, out_type), out2.narrow(0, r0, r1 - r0));
+  });
+  return out;
+}
+
+at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
+                              double eps, bool cast_before_weight) {
+  check_input(x);
+  check_eps(eps);
+  const int64_t n = x.size(-1);
+  check_float(z, "z");
+  TORCH_CHECK_VALUE(z.sizes() == x.sizes(), "z (the gate) must have x's shape ", x.sizes(), ", got ",
+                    z.sizes());
+  check_vector(weight, n, "weight");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+
+  const at::Tensor x2 = as_rows(x);
+  const at::Tensor z2 = as_rows(z);
+  const at::Tensor out2 = out.view({x2.size(0), n});
+  const F32Vector w(weight, false);
+  const ggml_type x_type = ggml_type_of(x.scalar_type());
+  const ggml_type prod_type = ggml_type_of(at::promote_types(x.scalar_type(), weight.scalar_type()));
+  const float feps = static_cast<float>(eps);
+  for_row_slices(x2.size(0), n, [&](int64_t r0, int64_t r1) {
+    const auto& G = ggml();
+    Graph g(16);
+    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, g.view(x2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32), feps);
+    if (cast_before_weight) y = round_to(g, y, x_type);
+    y = G.ggml_mul(g.ctx(), y, w.view(g));
+    if (cast_before_weight) y = round_to(g, y, prod_type);
+    ggml_tensor* gate = cast_to(g, g.view(z2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32);
+    y = G.ggml_swiglu_split(g.ctx(), gate, y);  // silu(gate) * y in float32
+    g.compute(cast_to(g, y, x_type), out2.narrow(0, r0, r1 - r0));
+  });
+  return out;
+}
+
+at::Tensor l2_norm_cpu(const at::Tensor& x, double eps, c10::string_view mode) {
+  check_input(x);
+  check_eps(eps);
+  const bool clamp = mode == "clamp";
+  TORCH_CHECK_VALUE(clamp || mode == "rsqrt", "mode must be \"clamp\" (x / max(||x||, eps), ggml's "
+                    "l2_norm) or \"rsqrt\" (x / sqrt(||x||^2 + eps), transformers' l2norm), got \"",
+                    std::string(mode), "\"");
+  const int64_t n = x.size(-1);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+
+  const at::Tensor x2 = as_rows(x);
+  const at::Tensor out2 = out.view({x2.size(0), n});
+  const ggml_type x_type = ggml_type_of(x.scalar_type());
+  const float feps = static_cast<float>(eps);
+  for_row_slices(x2.size(0), n, [&](int64_t r0, int64_t r1) {
+    const auto& G = ggml();
+    Graph g(16);
+    ggml_tensor* xf = cast_to(g, g.view(x2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32);
+    ggml_tensor* y;
+    if (clamp) {
+      y = G.ggml_l2_norm(g.ctx(), xf, feps);
+    } else {
+      // x / sqrt(S + eps) = rms_norm(x, eps / n) / sqrt(n), with S the row's sum of squares: ggml's
+      // RMS_NORM pass and a scale instead of four ops (sqr, sum_rows, sqrt, div).
+      y = G.ggml_rms_norm(g.ctx(), xf, static_cast<float>(eps / static_cast<double>(n)));
+      y = G.ggml_scale(g.ctx(), y, static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+    }
+    g.compute(cast_to(g, y, x_type), out2.narrow(0, r0, r1 - r0));
+  });
+  return out;
+}
