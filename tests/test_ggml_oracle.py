@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.llama_cpp
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
@@ -53,7 +55,7 @@ def ggml_quant_ext():
         pytest.skip(f"ggml-quantization is not built ({PACKAGE / 'build'} missing): run tools/build.py ggml-quantization")
     from kernels import get_local_kernel
 
-    return get_local_kernel(PACKAGE)
+    return get_local_kernel(PACKAGE, backend="cpu")  # our builds are CPU builds, whatever torch is
 
 
 @pytest.fixture(scope="module")
