@@ -63,9 +63,10 @@ at::Tensor float_view(const at::Tensor& blocks, ggml_type type, int64_t cols) {
   return blocks.view(dt).view({blocks.size(0), cols});
 }
 
-// Weight rows a thread takes at least: ~64 KiB of packed weights, so tiny matrices stay on one
-// thread where waking another would cost more than it saves.
-int64_t min_rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 16) / row_bytes); }
+// Weight rows a chunk takes at least: ~256 KiB of packed weights. Every chunk is a ggml graph of its
+// own that quantizes the activations again, and small matrices are done before another thread
+// would wake up: a 1024x1024 Q4_0 weight (576 KiB) makes two chunks, a 9216x2560 Q4_K one eight.
+int64_t min_rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
 
 bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
@@ -91,7 +92,7 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   // Every chunk quantizes the activations again: cheap for decode (fine chunks balance better),
   // not for prefill (one chunk per thread).
-  const int64_t per_thread = m <= 8 ? 4 : 1;
+  const int64_t per_thread = m <= 8 ? 4 : 1;  // at most; min_rows_per_task decides for small weights
   parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, per_thread, [&](int64_t n0, int64_t n1) {
     Graph g(8);
     ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
