@@ -1,0 +1,13 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+// CPU backend (topk_cpu/topk_cpu.cpp).
+std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits, int64_t k, bool softmax,
+                                             bool normalize, std::optional<at::ScalarType> dtype,
+                                             std::optional<at::ScalarType> index_dtype);
+std::tuple<at::Tensor, at::Tensor> top_k_ggml_cpu(const at::Tensor& logits, int64_t k, bool softmax,
+                                                  bool normalize);
