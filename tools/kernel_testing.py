@@ -42,3 +42,18 @@ def load_kernel(repo_id: str):
     if not any((path / "build").glob("torch*-cpu-*")):
         raise RuntimeError(f"{repo_id} is not built: run `nox -s build` or `python tools/build.py {path.name}`")
     return kernels.get_kernel(repo_id, version=1, **backend_kwargs())
+
+
+def variant_dir(package: str) -> Path:
+    """packages/<package>/build/<variant> for the running torch: what LocalLayerRepository must be
+    given. A package folder makes kernels pick the variant by torch's backend, which on a CUDA build
+    of torch is a cu* variant we do not build (and kernelize's repositories take no backend)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from build import torch_variant
+
+    path = REPO / "packages" / package / "build" / torch_variant()
+    if not (path / "metadata.json").exists():
+        raise RuntimeError(f"{package} is not built for this torch: run `python tools/build.py {package}`")
+    return path

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import REPO
+from kernel_testing import REPO, variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
 PKG = REPO / "packages" / "ggml-norm"
@@ -30,7 +30,7 @@ FLIP_RTOL = {torch.float32: 0.0, torch.bfloat16: 2 * 2.0**-7, torch.float16: 2 *
 
 def mapping(*layer_names: str) -> dict:
     return {
-        name: {"cpu": LocalLayerRepository(repo_path=Path(PKG), layer_name=name)} for name in layer_names
+        name: {"cpu": LocalLayerRepository(repo_path=variant_dir("ggml-norm"), layer_name=name)} for name in layer_names
     }
 
 

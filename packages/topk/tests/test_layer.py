@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from kernel_testing import REPO
+from kernel_testing import REPO, variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,7 +29,7 @@ DT_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def mapping():
-    return {"SoftmaxTopKRouter": {"cpu": LocalLayerRepository(repo_path=PKG, layer_name="SoftmaxTopKRouter")}}
+    return {"SoftmaxTopKRouter": {"cpu": LocalLayerRepository(repo_path=variant_dir("topk"), layer_name="SoftmaxTopKRouter")}}
 
 
 def kernelized(module, mode=Mode.INFERENCE):
