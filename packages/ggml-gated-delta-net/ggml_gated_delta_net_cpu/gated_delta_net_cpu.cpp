@@ -1,0 +1,431 @@
+// ggml-gated-delta-net on the CPU: ggml-cpu's own GATED_DELTA_NET and SSM_CONV ops (with
+// rms_norm, softplus, sigmoid, silu and swiglu around them) on views of the torch tensors.
+//
+// gated_delta_net: one single-threaded ggml graph per slice of (sequence, value heads), the slices
+// spread over torch's threads (parallel_chunks). ggml pairs value head h with key head h % Hk
+// (tiled) but sequence i with q/k sequence i / (n_seqs / n_q_seqs) (interleaved); transformers
+// repeats key heads with repeat_interleave (value head h reads key head h / (Hv / Hk)). So each
+// slice puts its value heads in ggml's sequence dim (one head per "sequence", strides kept, no
+// copies of q/k/v) and the interleaved broadcast is exactly transformers'. ggml keeps the state
+// transposed ({Dk, Dv} fastest-first: row j of a head's block is column j of transformers' S); the
+// op returns the final state in that memory layout as a (B, Hv, Dk, Dv) view, and takes a state in
+// either layout (transposing only a transformers-contiguous one). ggml scales the output by
+// 1/sqrt(D); q is pre-scaled so that the result is S^T (scale * q) for the caller's scale (default
+// D^-0.5, transformers' convention).
+//
+// causal_conv1d: ggml_ssm_conv over [K-1 state columns | x], channels split over torch's threads.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ggml_torch.h"
+#include "torch_binding.h"
+
+using namespace ggml_kernels;
+
+namespace {
+
+constexpr int64_t kHeadDims[] = {32, 64, 128};
+
+void check_float(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf}, name);
+}
+
+// t as float32 inside the graph (a ggml cast when it is bf16 / f16).
+ggml_tensor* as_f32(Graph& g, ggml_tensor* t) {
+  return t->type == GGML_TYPE_F32 ? t : ggml().ggml_cast(g.ctx(), t, GGML_TYPE_F32);
+}
+
+// A float32 result cast to `dtype`, to be computed straight into a dst of that dtype.
+ggml_tensor* as_dtype(Graph& g, ggml_tensor* t, at::ScalarType dtype) {
+  const ggml_type want = ggml_type_of(dtype);
+  return t->type == want ? t : ggml().ggml_cast(g.ctx(), t, want);
+}
+
+// ggml rows must be dense; every other stride is kept.
+at::Tensor dense_rows(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+std::string shape_str(std::initializer_list<int64_t> dims) {
+  std::string s = "[";
+  for (auto d : dims) s += (s.size() > 1 ? ", " : "") + std::to_string(d);
+  return s + "]";
+}
+
+// dst[h][i][j] = src[h][j][i] for hs blocks of D x D floats (src block stride `src_stride`).
+// ggml's state layout <-> transformers'; 8x8 tiles keep both sides in cache lines.
+void transpose_blocks(const float* src, int64_t src_stride, float* dst, int64_t dst_stride,
+                      int64_t hs, int64_t D) {
+  constexpr int64_t kTile = 8;
+  for (int64_t h = 0; h < hs; ++h) {
+    const float* s = src + h * src_stride;
+    float* d = dst + h * dst_stride;
+    for (int64_t i0 = 0; i0 < D; i0 += kTile) {
+      const int64_t i1 = std::min(D, i0 + kTile);
+      for (int64_t j0 = 0; j0 < D; j0 += kTile) {
+        const int64_t j1 = std::min(D, j0 + kTile);
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = j0; j < j1; ++j) d[i * D + j] = s[j * D + i];
+      }
+    }
+  }
+}
+
+// A per-thread float buffer reused across calls. Slices of a decode step need ~0.5 MB of output
+// and state; a fresh torch tensor of that size per slice is mmapped and page-faulted on every call
+// (~1 ms for 16 heads). Buffers above kKeepBytes are not kept.
+class Scratch {
+ public:
+  ~Scratch() { std::free(data_); }
+  at::Tensor tensor(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
+    if (bytes > kKeepBytes) return at::empty({n}, at::kFloat);
+    if (bytes > cap_) {
+      std::free(data_);
+      cap_ = 0;
+      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+      TORCH_CHECK(data_ != nullptr, "ggml-gated-delta-net: out of memory for a ", bytes, "-byte buffer");
+      cap_ = bytes;
+    }
+    return at::from_blob(data_, {n}, at::TensorOptions().dtype(at::kFloat));
+  }
+
+ private:
+  static constexpr size_t kKeepBytes = size_t{64} << 20;
+  float* data_ = nullptr;
+  size_t cap_ = 0;
+};
+
+thread_local Scratch t_dst, t_state, t_conv, t_conv_out;
+
+// src (B, cs, n), any strides and float dtype -> dst[(b * cs + c) * ld + off + t] as float32.
+void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off) {
+  const int64_t B = src.size(0), cs = src.size(1), n = src.size(2);
+  const int64_t sb = src.stride(0), sc = src.stride(1), st = src.stride(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "gather_rows", [&] {
+    const scalar_t* p = src.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      float* d = dst + b * cs * ld + off;
+      const scalar_t* q = p + b * sb;
+      if (sc == 1 && st != 1) {  // channels dense (x as the layer passes it): read rows of channels
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t c = 0; c < cs; ++c) d[c * ld + t] = static_cast<float>(q[t * st + c]);
+      } else {
+        for (int64_t c = 0; c < cs; ++c)
+          for (int64_t t = 0; t < n; ++t) d[c * ld + t] = static_cast<float>(q[c * sc + t * st]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, const at::Tensor& g,
+                                                       const at::Tensor& beta,
+                                                       const std::optional<at::Tensor>& state,
+                                                       bool l2_normalize_qk,
+                                                       std::optional<double> scale) {
+  check_float(q, "q");
+  check_float(k, "k");
+  check_float(v, "v");
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "q, k and v must share one dtype, got q ", q.scalar_type(), ", k ",
+                   k.scalar_type(), ", v ", v.scalar_type());
+  check_dim(q, 4, "q (batch, tokens, key heads, head dim)");
+  check_dim(k, 4, "k (batch, tokens, key heads, head dim)");
+  check_dim(v, 4, "v (batch, tokens, value heads, head dim)");
+  TORCH_CHECK_VALUE(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  const int64_t B = v.size(0), T = v.size(1), Hv = v.size(2), D = v.size(3), Hk = q.size(2);
+  TORCH_CHECK_VALUE(q.size(0) == B && q.size(1) == T, "q ", q.sizes(), " and v ", v.sizes(),
+                    " must agree on batch and tokens (dims 0 and 1)");
+  TORCH_CHECK_VALUE(q.size(3) == D, "key head dim ", q.size(3), " differs from value head dim ", D,
+                    ": ggml's gated delta net needs equal head dims");
+  TORCH_CHECK_VALUE(std::find(std::begin(kHeadDims), std::end(kHeadDims), D) != std::end(kHeadDims),
+                    "head dim ", D, " is not supported (32, 64 or 128)");
+  TORCH_CHECK_VALUE(Hk > 0 && Hv % Hk == 0, "value heads (", Hv,
+                    ") must be a multiple of key heads (", Hk, ")");
+  for (auto [t, name] : {std::pair{&g, "g"}, std::pair{&beta, "beta"}}) {
+    check_float(*t, name);
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == B && t->size(1) == T && t->size(2) == Hv, name,
+                      " must be (batch, tokens, value heads) = ", shape_str({B, T, Hv}), ", got ",
+                      t->sizes());
+  }
+  const bool has_state = state.has_value() && state->defined();
+  if (has_state) {
+    check_cpu(*state, "state");
+    check_dtype(*state, {at::kFloat}, "state");
+    TORCH_CHECK_VALUE(state->dim() == 4 && state->size(0) == B && state->size(1) == Hv &&
+                          state->size(2) == D && state->size(3) == D,
+                      "state must be (batch, value heads, key dim, value dim) = ",
+                      shape_str({B, Hv, D, D}), ", got ", state->sizes());
+  }
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
+  TORCH_CHECK_VALUE(std::isfinite(s), "scale must be finite, got ", s);
+
+  auto out = at::empty({B, T, Hv, D}, q.options());
+  // The final state is returned in ggml's memory layout: a (B, Hv, Dk, Dv) tensor over
+  // (B, Hv, Dv, Dk) memory. Passed back in as `state` it needs no transposition.
+  auto new_state_ggml = at::empty({B, Hv, D, D}, q.options().dtype(at::kFloat));
+  auto new_state = new_state_ggml.transpose(2, 3);
+  if (B == 0 || Hv == 0) return {out, new_state};
+  if (T == 0) {
+    has_state ? new_state.copy_(*state) : new_state.zero_();
+    return {out, new_state};
+  }
+
+  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
+  // The state in ggml's layout (B, Hv, Dv, Dk) contiguous: taken as it is when the caller's state
+  // already is (a state this op returned, or transformers' cache holding one), else transposed.
+  const bool state_is_ggml = has_state && state->transpose(2, 3).is_contiguous();
+  const at::Tensor st_ggml = state_is_ggml ? state->transpose(2, 3) : at::Tensor();
+  const at::Tensor st = has_state && !state_is_ggml ? state->contiguous() : at::Tensor();
+  const int64_t r = Hv / Hk;
+  const double sqrt_d = std::sqrt(static_cast<double>(D));
+  // ggml's output is S^T q_in / sqrt(D): q_in = scale * sqrt(D) * q. With l2 normalisation,
+  // rms_norm(x, eps / D) = sqrt(D) * x / sqrt(sum(x^2) + eps) = sqrt(D) * l2norm(x, eps).
+  const float eps_d = static_cast<float>(1e-6 / static_cast<double>(D));
+  const double q_mul = l2_normalize_qk ? s : s * sqrt_d;
+  float* new_state_mem = new_state_ggml.data_ptr<float>();
+
+  // One graph per run of whole key groups [h0, h1) of sequence b. The value heads go to ggml's
+  // sequence dim (v {D, 1, T, hs}, q/k {D, 1, T, hs / r}), where ggml broadcasts q/k interleaved
+  // (sequence i reads i / r): transformers' repeat_interleave. Any head range works when r == 1.
+  auto run_slice = [&](int64_t b, int64_t h0, int64_t h1) {
+    const auto& G = ggml();
+    const int64_t hs = h1 - h0, khs = hs / r;
+    Graph gr(24);
+    ggml_context* ctx = gr.ctx();
+    auto heads_as_seqs = [](const at::Tensor& x) { return x.permute({1, 0, 2}).unsqueeze(2); };  // (T,h,D)->(h,T,1,D)
+    ggml_tensor* tq = as_f32(gr, gr.view(heads_as_seqs(qd.select(0, b).narrow(1, h0 / r, khs))));
+    ggml_tensor* tk = as_f32(gr, gr.view(heads_as_seqs(kd.select(0, b).narrow(1, h0 / r, khs))));
+    ggml_tensor* tv = as_f32(gr, gr.view(heads_as_seqs(vd.select(0, b).narrow(1, h0, hs))));
+    if (l2_normalize_qk) {
+      tq = G.ggml_scale(ctx, G.ggml_rms_norm(ctx, tq, eps_d), static_cast<float>(q_mul));
+      tk = G.ggml_scale(ctx, G.ggml_rms_norm(ctx, tk, eps_d), static_cast<float>(1.0 / sqrt_d));
+    } else if (std::abs(q_mul - 1.0) > 1e-12) {
+      tq = G.ggml_scale(ctx, tq, static_cast<float>(q_mul));
+    }
+    // g, beta: {1, 1, T, hs} contiguous
+    auto per_seq = [&](const at::Tensor& x) {
+      return x.select(0, b).narrow(1, h0, hs).t().to(at::kFloat).contiguous().view({hs, T, 1, 1});
+    };
+    const at::Tensor gs = per_seq(g), bs = per_seq(beta);
+    // state: {D, D, 1, hs} contiguous, ggml's layout
+    at::Tensor s0;
+    if (state_is_ggml) {
+      s0 = st_ggml.select(0, b).narrow(0, h0, hs).view({hs, 1, D, D});
+    } else {
+      s0 = t_state.tensor(hs * D * D).view({hs, 1, D, D});
+      if (has_state) {
+        transpose_blocks(st.data_ptr<float>() + (b * Hv + h0) * D * D, D * D, s0.data_ptr<float>(), D * D, hs, D);
+      } else {
+        s0.zero_();
+      }
+    }
+    ggml_tensor* y = G.ggml_gated_delta_net(ctx, tq, tk, tv, gr.view(gs), gr.view(bs), gr.view(s0), 1);
+    // {D, hs * (T + D)}: the output (hs, T, D), then the final states (hs, D, D), ggml's layout
+    const at::Tensor dst = t_dst.tensor(hs * (T + D) * D).view({hs * (T + D), D});
+    gr.compute(y, dst);
+    out.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
+    std::memcpy(new_state_mem + (b * Hv + h0) * D * D, dst.data_ptr<float>() + hs * T * D,
+                static_cast<size_t>(hs * D * D) * sizeof(float));
+  };
+
+  // ~4 D^2 flops per head and token; small heads (decode) are grouped so a slice is worth a graph
+  const int64_t per_head = T * D * D;
+  const int64_t min_heads = std::max<int64_t>(1, (int64_t{1} << 16) / per_head);
+  parallel_chunks(B * Hv, min_heads, r, 2, [&](int64_t n0, int64_t n1) {
+    for (int64_t i = n0; i < n1;) {  // chunks are whole key groups (align r); split at sequences
+      const int64_t b = i / Hv, h0 = i % Hv;
+      const int64_t h1 = std::min(Hv, h0 + (n1 - i));
+      run_slice(b, h0, h1);
+      i += h1 - h0;
+    }
+  });
+  return {out, new_state};
+}
+
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                     const std::optional<at::Tensor>& state,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     std::optional<c10::string_view> activation) {
+  check_float(x, "x");
+  check_dim(x, 3, "x (batch, channels, tokens)");
+  check_float(weight, "weight");
+  TORCH_CHECK_VALUE(weight.dim() == 2 || (weight.dim() == 3 && weight.size(1) == 1),
+                    "weight must be (channels, 1, kernel) or (channels, kernel), got shape ",
+                    weight.sizes());
+  const int64_t B = x.size(0), C = x.size(1), T = x.size(2), K = weight.size(-1);
+  TORCH_CHECK_VALUE(weight.size(0) == C, "weight has ", weight.size(0), " channels but x (batch, channels, tokens) ",
+                    x.sizes(), " has ", C);
+  TORCH_CHECK_VALUE(K >= 1, "the kernel size must be at least 1, got weight shape ", weight.sizes());
+  bool silu = false;
+  if (activation.has_value()) {
+    const std::string act(activation->data(), activation->size());
+    TORCH_CHECK_VALUE(act == "silu" || act == "swish", "activation must be None, 'silu' or 'swish', got '",
+                      act, "'");
+    silu = true;
+  }
+  const bool has_state = state.has_value() && state->defined();
+  if (has_state) {
+    check_float(*state, "state");
+    TORCH_CHECK_VALUE(state->dim() == 3 && state->size(0) == B && state->size(1) == C &&
+                          state->size(2) >= K - 1,
+                      "state must be (batch, channels, >= kernel - 1) = ", shape_str({B, C, K - 1}),
+                      " or wider (transformers keeps ", K, " columns), got ", state->sizes());
+  }
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_float(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == C, "bias must be (channels,) = (", C,
+                      ",), got ", bias->sizes());
+  }
+  const int64_t W = has_state ? state->size(2) : K;
+
+  const at::Tensor w = weight.reshape({C, K}).to(at::kFloat).contiguous();
+  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+
+  // ggml writes {C, T, B}: torch (B, T, C), returned as its (B, C, T) transpose (what the layer
+  // transposes back). The conv's input for a block of channels, float32 {K - 1 + T, cs, B}, is
+  // gathered into a per-thread buffer: the last K - 1 state columns, then x. Blocks are small
+  // (~256 KB of input) because ggml's loop walks all of a block's channels for every token: one
+  // 2 KB-strided row per channel and token, which thrashes the TLB on a whole 6144-channel prefill.
+  // Bias, SiLU and the cast to x's dtype then run once per thread's chunk, on rows of the whole
+  // chunk (on a block's 16-32-wide rows SiLU costs more than the conv).
+  at::Tensor out = at::empty({B, T, C}, x.options());
+  const int64_t L = K - 1 + T;
+  const bool out_f32 = x.scalar_type() == at::kFloat;
+  if (B > 0 && T > 0 && C > 0) {
+    const int64_t block = std::max<int64_t>(16, (int64_t{1} << 18) / (4 * L * B) / 16 * 16);
+    parallel_chunks(C, block, 16, 2, [&](int64_t c0, int64_t c1) {
+      const auto& G = ggml();
+      const int64_t n = c1 - c0;
+      // float32 conv results of this chunk: straight into out, or a buffer when out is bf16/f16
+      const at::Tensor conv = out_f32 ? out.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
+      for (int64_t cb = c0; cb < c1; cb += block) {
+        const int64_t cs = std::min(block, c1 - cb);
+        const at::Tensor sx = t_conv.tensor(B * cs * L).view({B, cs, L});
+        float* sxp = sx.data_ptr<float>();
+        if (K > 1) {
+          if (has_state) gather_rows(state->narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L, 0);
+          else sx.narrow(2, 0, K - 1).zero_();
+        }
+        gather_rows(x.narrow(1, cb, cs), sxp, L, K - 1);
+        Graph gr(8);
+        ggml_tensor* y = G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w.narrow(0, cb, cs)));  // {cs, T, B}
+        gr.compute(y, conv.narrow(2, cb - c0, cs));
+      }
+      if (!has_bias && !silu && out_f32) return;
+      Graph gr(8);  // in place when out is float32 (element-wise ops)
+      ggml_tensor* y = gr.view(conv);
+      if (has_bias) y = G.ggml_add(gr.ctx(), y, gr.view(bf.narrow(0, c0, n)));
+      if (silu) y = G.ggml_silu(gr.ctx(), y);
+      gr.compute(as_dtype(gr, y, x.scalar_type()), out.narrow(2, c0, n));
+    });
+  }
+
+  // The new rolling state: the last W columns of [state | x] (zeros before the first input).
+  at::Tensor new_state = at::empty({B, C, W}, x.options().dtype(has_state ? state->scalar_type() : x.scalar_type()));
+  if (T >= W) {
+    new_state.copy_(x.narrow(2, T - W, W));
+  } else {
+    if (has_state) new_state.narrow(2, 0, W - T).copy_(state->narrow(2, T, W - T));
+    else new_state.narrow(2, 0, W - T).zero_();
+    if (T > 0) new_state.narrow(2, W - T, T).copy_(x);
+  }
+  return {out.transpose(1, 2), new_state};
+}
+
+at::Tensor l2_norm_cpu(const at::Tensor& x, double eps) {
+  check_float(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim, got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  const at::Tensor x2 = x.reshape({rows, D}).contiguous();
+  at::Tensor out = at::empty({rows, D}, x.options());
+  // x * rsqrt(sum(x^2) + eps) == rms_norm(x, eps / D) / sqrt(D)
+  const float eps_d = static_cast<float>(eps / static_cast<double>(D));
+  const float inv_sqrt_d = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  parallel_chunks(rows, std::max<int64_t>(1, 16384 / D), 1, 1, [&](int64_t r0, int64_t r1) {
+    const auto& G = ggml();
+    Graph gr(8);
+    ggml_tensor* t = as_f32(gr, gr.view(x2.narrow(0, r0, r1 - r0)));
+    t = G.ggml_scale(gr.ctx(), G.ggml_rms_norm(gr.ctx(), t, eps_d), inv_sqrt_d);
+    gr.compute(as_dtype(gr, t, x.scalar_type()), out.narrow(0, r0, r1 - r0));
+  });
+  return out.view(x.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::Tensor& a,
+                                             const at::Tensor& dt_bias, const at::Tensor& b) {
+  check_float(A_log, "A_log");
+  check_float(dt_bias, "dt_bias");
+  check_float(a, "a");
+  check_float(b, "b");
+  check_dim(A_log, 1, "A_log (value heads)");
+  const int64_t H = A_log.size(0);
+  TORCH_CHECK_VALUE(dt_bias.dim() == 1 && dt_bias.size(0) == H, "dt_bias must be (", H,
+                    ",) like A_log, got ", dt_bias.sizes());
+  TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == H, "a must be (..., ", H, ") (one value per head), got ",
+                    a.sizes());
+  TORCH_CHECK_VALUE(b.sizes() == a.sizes(), "b must have a's shape ", a.sizes(), ", got ", b.sizes());
+  auto g = at::empty(a.sizes(), a.options().dtype(at::kFloat));
+  auto beta = at::empty(b.sizes(), b.options().dtype(at::kFloat));
+  const int64_t rows = H > 0 ? a.numel() / H : 0;
+  if (rows == 0 || H == 0) return {g, beta};
+  const at::Tensor A32 = A_log.to(at::kFloat).contiguous(), dt32 = dt_bias.to(at::kFloat).contiguous();
+  const auto& G = ggml();
+  {  // g = softplus(a + dt_bias) * -exp(A_log)
+    Graph gr(12);
+    ggml_context* ctx = gr.ctx();
+    ggml_tensor* t = as_f32(gr, gr.view(a.reshape({rows, H}).contiguous()));
+    t = G.ggml_softplus(ctx, G.ggml_add(ctx, t, gr.view(dt32)));
+    t = G.ggml_mul(ctx, t, G.ggml_neg(ctx, G.ggml_exp(ctx, gr.view(A32))));
+    gr.compute(t, g.view({rows, H}));
+  }
+  {  // beta = sigmoid(b)
+    Graph gr(6);
+    ggml_tensor* t = G.ggml_sigmoid(gr.ctx(), as_f32(gr, gr.view(b.reshape({rows, H}).contiguous())));
+    gr.compute(t, beta.view({rows, H}));
+  }
+  return {g, beta};
+}
+
+at::Tensor gated_rms_norm_cpu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                              double eps) {
+  check_float(x, "x");
+  check_float(gate, "gate");
+  check_float(weight, "weight");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim, got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(gate.sizes() == x.sizes(), "gate must have x's shape ", x.sizes(), ", got ",
+                    gate.sizes());
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == D, "weight must be (", D, ",), got ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  const at::Tensor x2 = x.reshape({rows, D}).contiguous(), z2 = gate.reshape({rows, D}).contiguous();
+  const at::Tensor w32 = weight.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, D}, x.options());
+  parallel_chunks(rows, std::max<int64_t>(1, 16384 / D), 1, 1, [&](int64_t r0, int64_t r1) {
+    const auto& G = ggml();
+    Graph gr(12);
+    ggml_context* ctx = gr.ctx();
+    ggml_tensor* t = G.ggml_rms_norm(ctx, as_f32(gr, gr.view(x2.narrow(0, r0, r1 - r0))), static_cast<float>(eps));
+    t = G.ggml_mul(ctx, t, gr.view(w32));
+    ggml_tensor* z = as_f32(gr, gr.view(z2.narrow(0, r0, r1 - r0)));
+    t = G.ggml_swiglu_split(ctx, z, t);  // silu(gate) * normed
+    gr.compute(as_dtype(gr, t, x.scalar_type()), out.narrow(0, r0, r1 - r0));
+  });
+  return out.view(x.sizes());
+}

@@ -1,0 +1,123 @@
+"""kernels-library layer for transformers' `Qwen3_5GatedDeltaNet` (Qwen3.5's linear attention).
+
+`kernelize` swaps only `forward`; it runs on the original module's attributes: `in_proj_qkv`,
+`in_proj_z`, `in_proj_a`, `in_proj_b`, `out_proj` (called as modules, so packed GGUF linears
+work), `conv1d.weight` / `conv1d.bias`, `A_log`, `dt_bias`, `norm.weight` /
+`norm.variance_epsilon`, `activation`, head counts and dims, `layer_idx`. The cache is read and
+written through transformers' own `Cache` methods, in the same order and on the same branches as
+transformers 5.22.2's forward (decode: in-place conv-state update; prefill and prefill continuing a
+cache: `update_conv_state`, then the conv over [cached columns | new tokens]).
+
+Every step but the projections runs on this package's ops: `causal_conv1d` (ggml SSM_CONV + SiLU),
+`gates`, `gated_delta_net` (ggml GATED_DELTA_NET, q/k L2-normalised and q scaled by Dk^-0.5
+inside), `gated_rms_norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._ops import ops
+
+__all__ = ["Qwen3_5GatedDeltaNet"]
+
+
+def _check_cache(module: nn.Module, cache, batch_size: int) -> None:
+    """A clear error when the cache cannot belong to this layer (built for another model or
+    layout, or for another batch), instead of a shape error deep inside an op."""
+    idx = module.layer_idx
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"cache_params must be a transformers Cache (e.g. DynamicCache(config=...)), got {type(cache).__name__}")
+    if not 0 <= idx < len(layers):
+        raise ValueError(
+            f"cache_params has {len(layers)} layers but this linear-attention layer has layer_idx={idx}: "
+            "the cache was built for another model; build it with DynamicCache(config=model.config)"
+        )
+    layer = layers[idx]
+    if not (hasattr(layer, "conv_states") and hasattr(layer, "recurrent_states")):
+        raise ValueError(
+            f"cache layer {idx} is a {type(layer).__name__}, not a linear-attention cache layer: "
+            f"layer_idx={idx} does not match the cache's layout (was it built for another model?)"
+        )
+    conv = layer.conv_states.get(0) if layer.is_conv_states_initialized.get(0) else None
+    if conv is not None and (conv.dim() != 3 or conv.shape[1] != module.conv_dim or conv.shape[2] < module.conv_kernel_size - 1):
+        raise ValueError(
+            f"cache layer {idx} holds a conv state of shape {tuple(conv.shape)}, but layer_idx={idx} "
+            f"needs (batch, {module.conv_dim}, {module.conv_kernel_size}): the cache belongs to another layer or model"
+        )
+    rec = layer.recurrent_states.get(0) if layer.is_recurrent_states_initialized.get(0) else None
+    want = (module.num_v_heads, module.head_k_dim, module.head_v_dim)
+    if rec is not None and (rec.dim() != 4 or tuple(rec.shape[1:]) != want):
+        raise ValueError(
+            f"cache layer {idx} holds a recurrent state of shape {tuple(rec.shape)}, but layer_idx={idx} "
+            f"needs (batch, {want[0]}, {want[1]}, {want[2]}): the cache belongs to another layer or model"
+        )
+    if rec is not None and rec.dtype != torch.float32:
+        raise TypeError(f"cache layer {idx} holds a {rec.dtype} recurrent state; it must be float32")
+    for name, t in (("conv", conv), ("recurrent", rec)):
+        if t is not None and layer.has_previous_state.get(0) and t.shape[0] != batch_size:
+            raise ValueError(
+                f"cache layer {idx} holds a {name} state for batch size {t.shape[0]}, "
+                f"but hidden_states has batch size {batch_size}"
+            )
+
+
+def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, attention_mask) -> torch.Tensor:
+    if attention_mask is not None:  # a 2-D padding mask: padded tokens enter as zeros
+        dtype = hidden_states.dtype
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(dtype)
+
+    batch_size, seq_len, _ = hidden_states.shape
+    idx = module.layer_idx
+    if cache_params is not None:
+        _check_cache(module, cache_params, batch_size)
+        conv_state = cache_params.get_conv_state(idx, state_idx=0)
+        recurrent_state = cache_params.get_recurrent_state(idx, state_idx=0)
+    else:
+        conv_state, recurrent_state = None, None
+
+    mixed_qkv = module.in_proj_qkv(hidden_states).transpose(1, 2)  # (B, conv_dim, T)
+    z = module.in_proj_z(hidden_states)
+    b = module.in_proj_b(hidden_states)
+    a = module.in_proj_a(hidden_states)
+
+    weight, bias, activation = module.conv1d.weight, module.conv1d.bias, module.activation
+    if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(idx):
+        # decode: the rolling conv state is updated in place, as transformers' causal_conv1d_update does
+        mixed_qkv, new_conv_state = ops.causal_conv1d(mixed_qkv, weight, conv_state, bias, activation)
+        conv_state.copy_(new_conv_state)
+    else:
+        if cache_params is not None:  # prefill: the cache stores the last columns, returns [cached | new]
+            mixed_qkv = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=module.conv_kernel_size)
+        mixed_qkv, _ = ops.causal_conv1d(mixed_qkv, weight, None, bias, activation)
+        if cache_params is not None:
+            mixed_qkv = mixed_qkv[:, :, -seq_len:]
+
+    mixed_qkv = mixed_qkv.transpose(1, 2)  # (B, T, conv_dim), rows dense: q, k, v stay views
+    query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(batch_size, seq_len, -1, module.head_k_dim)
+    key = key.reshape(batch_size, seq_len, -1, module.head_k_dim)
+    value = value.reshape(batch_size, seq_len, -1, module.head_v_dim)
+
+    g, beta = ops.gates(module.A_log, a, module.dt_bias, b)
+    core_attn_out, last_recurrent_state = ops.gated_delta_net(query, key, value, g, beta, recurrent_state, True, None)
+    if cache_params is not None:
+        cache_params.update_recurrent_state(last_recurrent_state, idx)
+
+    norm = module.norm
+    core_attn_out = ops.gated_rms_norm(
+        core_attn_out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim), norm.weight, float(norm.variance_epsilon)
+    )
+    return module.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))
+
+
+class Qwen3_5GatedDeltaNet(nn.Module):
+    """Drop-in `forward` for transformers' `Qwen3_5GatedDeltaNet` (inference only)."""
+
+    has_backward = False
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask: torch.Tensor | None = None, **kwargs):
+        return _forward(self, hidden_states, cache_params, attention_mask)

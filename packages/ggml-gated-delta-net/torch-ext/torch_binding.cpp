@@ -1,0 +1,32 @@
+// Op schemas of ggml-gated-delta-net and their per-backend implementations.
+#include "torch_binding.h"
+
+#include "registration.h"
+
+GGML_KERNELS_LIBRARY(m) {
+  // Gated delta rule, transformers' layout: q, k (B, T, Hk, D), v (B, T, Hv, D), g and beta
+  // (B, T, Hv), state (B, Hv, D, D) float32 or None -> (output (B, T, Hv, D) in q's dtype,
+  // final state (B, Hv, D, D) float32). Value head h reads key head h // (Hv / Hk).
+  m.def("gated_delta_net(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? state, "
+        "bool l2_normalize_qk, float? scale) -> (Tensor, Tensor)");
+  // Short causal depthwise conv with a rolling state: x (B, C, T), weight (C, 1, K) or (C, K),
+  // state (B, C, W >= K - 1) or None -> (y (B, C, T) in x's dtype, new state (B, C, W or K)).
+  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? state, Tensor? bias, str? activation) "
+        "-> (Tensor, Tensor)");
+  // x * rsqrt(sum(x^2) + eps) over the last dim, as Qwen3.5 (and FLA) normalise q and k.
+  m.def("l2_norm(Tensor x, float eps) -> Tensor");
+  // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); float32.
+  m.def("gates(Tensor A_log, Tensor a, Tensor dt_bias, Tensor b) -> (Tensor, Tensor)");
+  // weight * rms_norm(x) * silu(gate) over the last dim (Qwen3.5's gated RMSNorm).
+  m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
+}
+
+GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+  m.impl("gated_delta_net", &gated_delta_net_cpu);
+  m.impl("causal_conv1d", &causal_conv1d_cpu);
+  m.impl("l2_norm", &l2_norm_cpu);
+  m.impl("gates", &gates_cpu);
+  m.impl("gated_rms_norm", &gated_rms_norm_cpu);
+}
+
+GGML_KERNELS_PYTHON_MODULE()

@@ -1,0 +1,24 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+#include <tuple>
+
+// CPU backend (ggml_gated_delta_net_cpu/gated_delta_net_cpu.cpp).
+std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, const at::Tensor& g,
+                                                       const at::Tensor& beta,
+                                                       const std::optional<at::Tensor>& state,
+                                                       bool l2_normalize_qk,
+                                                       std::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                     const std::optional<at::Tensor>& state,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     std::optional<c10::string_view> activation);
+at::Tensor l2_norm_cpu(const at::Tensor& x, double eps);
+std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::Tensor& a,
+                                             const at::Tensor& dt_bias, const at::Tensor& b);
+at::Tensor gated_rms_norm_cpu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                              double eps);
