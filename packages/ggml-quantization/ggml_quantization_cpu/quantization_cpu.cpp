@@ -1,10 +1,10 @@
 // ggml-quantization on the CPU: every op runs ggml-cpu's own code on views of the torch tensors.
 //
 // mul_mat / mul_mat_id are one-op ggml graphs, so the numerics are llama.cpp's CPU backend's:
-// activation rows are quantized to the weight type's vec_dot_type, then ggml's SIMD dot products
-// (or llamafile's sgemm for larger batches) run. The weight's rows are split over torch's threads,
-// one single-threaded graph per slice writing its columns of the output, as ggml's own threadpool
-// would split them. dequantize / get_rows / quantize call ggml's per-type row converters directly.
+// activation rows are quantized to the weight type's vec_dot_type (once per call, by ggml-cpu's
+// own converter), then ggml's SIMD dot products (or llamafile's sgemm for larger batches) run. The
+// weight's rows are split over torch's threads, one single-threaded graph per slice writing its
+// columns of the output, as ggml's own threadpool would split them. dequantize / get_rows / quantize call ggml's per-type row converters directly.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -63,10 +63,31 @@ at::Tensor float_view(const at::Tensor& blocks, ggml_type type, int64_t cols) {
   return blocks.view(dt).view({blocks.size(0), cols});
 }
 
-// Weight rows a chunk takes at least: ~256 KiB of packed weights. Every chunk is a ggml graph of its
-// own that quantizes the activations again, and small matrices are done before another thread
-// would wake up: a 1024x1024 Q4_0 weight (576 KiB) makes two chunks, a 9216x2560 Q4_K one eight.
+// Weight rows a chunk takes at least: ~256 KiB of packed weights, since every chunk is a ggml graph
+// of its own and small matrices are done before another thread would wake up: a 1024x1024 Q4_0
+// weight (576 KiB) makes two chunks, a 9216x2560 Q4_K one eight (threads take them as they go).
 int64_t min_rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
+
+// The activations as ggml-cpu's dot products read them: each row of x (M, K) float32 converted to
+// the weight type's vec_dot_type (Q8_0, Q8_1, Q8_K, F16, BF16) by ggml-cpu's own from_float, the
+// step ggml_mul_mat would otherwise repeat inside every slice's graph. Returns uint8
+// (M, row_size), or an undefined tensor when the dot product reads float32 as it is.
+at::Tensor activations_for(const at::Tensor& xf, ggml_type type) {
+  const auto& G = ggml();
+  const ggml_type vdt = G.ggml_get_type_traits_cpu(type)->vec_dot_type;
+  if (vdt == GGML_TYPE_F32) return {};
+  const auto from_float = G.ggml_get_type_traits_cpu(vdt)->from_float;
+  TORCH_CHECK(from_float != nullptr, "ggml-kernels: no activation converter for ", type_name(vdt));
+  const int64_t m = xf.size(0), k = xf.size(1);
+  const int64_t rs = static_cast<int64_t>(G.ggml_row_size(vdt, k));
+  auto q = at::empty({m, rs}, xf.options().dtype(at::kByte));
+  const float* src = xf.data_ptr<float>();
+  uint8_t* dst = q.data_ptr<uint8_t>();
+  at::parallel_for(0, m, std::max<int64_t>(1, (int64_t{1} << 15) / k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) from_float(src + r * k, dst + r * rs, k);
+  });
+  return q;
+}
 
 bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
@@ -90,13 +111,13 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   if (m == 0 || out_features == 0) return out;
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  // Every chunk quantizes the activations again: cheap for decode (fine chunks balance better),
-  // not for prefill (one chunk per thread).
-  const int64_t per_thread = m <= 8 ? 4 : 1;  // at most; min_rows_per_task decides for small weights
-  parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, per_thread, [&](int64_t n0, int64_t n1) {
+  const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
+  const ggml_type vdt = ggml().ggml_get_type_traits_cpu(type)->vec_dot_type;
+  parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, 4, [&](int64_t n0, int64_t n1) {
     Graph g(8);
     ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
-    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, g.view(xf));  // {n1 - n0, M}
+    ggml_tensor* xt = xq.defined() ? g.packed(xq, vdt, k) : g.view(xf);
+    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, xt);  // {n1 - n0, M}
     g.compute(y, out.narrow(1, n0, n1 - n0));
   });
   return out;
@@ -124,13 +145,16 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
   auto out = at::empty({t, n_ids, out_features}, x.options().dtype(at::kFloat));
   if (t == 0 || n_ids == 0 || out_features == 0) return out;
 
-  const at::Tensor xf = x.to(at::kFloat).contiguous().view({t, 1, k});  // one row per token, shared
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
+  const ggml_type vdt = ggml().ggml_get_type_traits_cpu(type)->vec_dot_type;
   const at::Tensor ids32 = ids.to(at::kInt).contiguous();
-  const int64_t per_thread = t * n_ids <= 8 ? 4 : 1;
-  parallel_chunks(out_features, min_rows_per_task(blocks.size(2)), 16, per_thread, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(out_features, min_rows_per_task(blocks.size(2)), 16, 4, [&](int64_t n0, int64_t n1) {
     Graph g(8);
     ggml_tensor* as = g.packed(blocks.narrow(1, n0, n1 - n0), type, k);  // {K, n1 - n0, E}
-    ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, g.view(xf), g.view(ids32));
+    // one activation row per token ({K, 1, T}), shared by the token's experts
+    ggml_tensor* xt = xq.defined() ? g.packed(xq.view({t, 1, xq.size(1)}), vdt, k) : g.view(xf.view({t, 1, k}));
+    ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, xt, g.view(ids32));
     g.compute(y, out.narrow(2, n0, n1 - n0));  // {n1 - n0, n_ids, T}
   });
   return out;
