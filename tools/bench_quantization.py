@@ -88,11 +88,10 @@ class Cell:
 # ---- helpers ---------------------------------------------------------------------------------
 
 def load_kernel():
-    from kernels import get_local_kernel
+    import kernel_testing
 
-    if not any((PACKAGE / "build").glob("torch*-cpu-*")):
-        sys.exit(f"ggml-quantization is not built: run `python tools/build.py ggml-quantization`")
-    return get_local_kernel(PACKAGE, backend="cpu")
+    kernel_testing.point_hub_ids_at_local_builds()
+    return kernel_testing.load_kernel("ggml-org/ggml-quantization")
 
 
 def llc_bytes() -> int:
@@ -122,7 +121,6 @@ def measure_bandwidth(gib: float, repeats: int = 5) -> float:
             read()
             times.append(time.perf_counter() - t)
         best = min(best, statistics.median(times))
-    del buf
     return n * 4 / best / 1e9
 
 

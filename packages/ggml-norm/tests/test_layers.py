@@ -13,14 +13,12 @@ to 2 ulps of that dtype, relative.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import REPO, variant_dir
+from kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
-PKG = REPO / "packages" / "ggml-norm"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DT_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 ULPS = {torch.float32: 4, torch.bfloat16: 1, torch.float16: 1}

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from kernel_testing import REPO, variant_dir
+from kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,7 +23,6 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSpars
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-PKG = REPO / "packages" / "topk"
 HIDDEN = 64
 DT_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
