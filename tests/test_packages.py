@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from kernel_testing import backend_kwargs, hub_ids, local_kernels_env
+from kernel_testing import backend_kwargs, fresh_process, hub_ids, local_kernels_env
 
 PACKAGES = hub_ids()
 LEVELS = ["x64", "haswell", "skylakex", "zen4"]
@@ -63,3 +63,16 @@ def test_abi(repo_id):
             assert list(obj.check_manylinux("manylinux_2_28")) == [], so.name
             if so.name.endswith(".abi3.so"):
                 assert list(obj.check_python_abi("3.9")) == [], so.name
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_unknown_forced_cpu_level_is_a_clear_error(repo_id):
+    """GGML_KERNELS_CPU_VARIANT naming no level we build: a Python exception, not a crash."""
+    code = f"""
+from kernel_testing import load_kernel, point_hub_ids_at_local_builds
+point_hub_ids_at_local_builds()
+load_kernel({repo_id!r}).info()
+"""
+    proc = fresh_process(code, {"GGML_KERNELS_CPU_VARIANT": "pentium"})
+    assert proc.returncode == 1
+    assert "no usable ggml CPU runtime for GGML_KERNELS_CPU_VARIANT=pentium" in proc.stderr

@@ -6,6 +6,7 @@ extension loads ggml's CPU runtime, tools/ggml_runtime.py, at first use), checks
 out the variant folder that `kernels` loads:
 
     __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
+    _ggml_runtime.py (common/python: Python glue every package shares)
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
 
     python tools/build.py                      # every package
@@ -116,6 +117,8 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
 
     out = pkg / "build" / variant
     _assemble(out, pkg / "torch-ext" / py_name, so, ggml_runtime.libraries(runtime), ext_id, general)
+    for shared in sorted((COMMON / "python").glob("*.py")):  # Python glue shared by every package
+        _copy_if_changed(shared, out / shared.name)
     if check_abi:
         check_binaries(out)
     return out
@@ -132,6 +135,7 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
 def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_id: str, general: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json"}
+    wanted |= {p.name for p in (COMMON / "python").glob("*.py")}
     for f in sorted(py_src.rglob("*.py")):
         rel = f.relative_to(py_src)
         wanted.add(rel.parts[0])

@@ -57,3 +57,56 @@ def variant_dir(package: str) -> Path:
     if not (path / "metadata.json").exists():
         raise RuntimeError(f"{package} is not built for this torch: run `python tools/build.py {package}`")
     return path
+
+
+CPU_LEVELS = ("x64", "haswell", "skylakex", "zen4")
+_LEVEL_FLAG = {"haswell": "avx2", "skylakex": "avx512bw", "zen4": "avx512_bf16"}  # /proc/cpuinfo
+
+
+def cpu_has_level(level: str) -> bool:
+    """Whether this CPU can run the ggml runtime built for `level` (tools/ggml_runtime.py)."""
+    if level == "x64":
+        return True
+    with open("/proc/cpuinfo") as f:
+        return _LEVEL_FLAG[level] in f.read()
+
+
+def fresh_process(code: str, env: dict | None = None):
+    """Runs Python `code` in a new interpreter with this environment (+ env, offline Hub), tools/ on
+    its path (so it can `from kernel_testing import load_kernel`)."""
+    import subprocess
+    import sys
+
+    path = os.pathsep.join(p for p in (str(REPO / "tools"), os.environ.get("PYTHONPATH")) if p)
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=path, **(env or {}))
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | None = None) -> dict:
+    """Loads `repo_id`'s build in a new interpreter as `k` the way users do, runs `body` (which sets
+    `res` to something JSON can hold) and returns `res`.
+
+    via: "get_kernel" (kernels.get_kernel with LOCAL_KERNELS) or "get_local_kernel" (the package
+    folder). level: force a ggml CPU level (GGML_KERNELS_CPU_VARIANT); pytest skips a level this CPU
+    lacks."""
+    import json
+    import textwrap
+
+    import pytest
+
+    if level is not None and not cpu_has_level(level):
+        pytest.skip(f"this CPU has no {_LEVEL_FLAG[level]}")
+    path = hub_ids()[repo_id]
+    load = {
+        "get_kernel": f"k = kernels.get_kernel({repo_id!r}, version=1, **{backend_kwargs()!r})",
+        "get_local_kernel": f"k = kernels.get_local_kernel(Path({str(path)!r}), **{backend_kwargs()!r})",
+    }[via]
+    code = "\n".join(["import json", "from pathlib import Path", "import kernels", load,
+                      textwrap.dedent(body), 'print("RESULT" + json.dumps(res))'])
+    env = {"LOCAL_KERNELS": local_kernels_env()} if via == "get_kernel" else {}
+    if level is not None:
+        env["GGML_KERNELS_CPU_VARIANT"] = level
+    proc = fresh_process(code, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])

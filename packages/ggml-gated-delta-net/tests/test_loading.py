@@ -3,20 +3,14 @@ layer; and every CPU level's runtime loads and agrees with the default on this m
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
-from kernel_testing import REPO, backend_kwargs, local_kernels_env
+from kernel_testing import CPU_LEVELS, run_fresh
 
-PKG = REPO / "packages" / "ggml-gated-delta-net"
+REPO_ID = "ggml-org/ggml-gated-delta-net"
 
 CALL_EVERY_OP = """
-import json, torch
+import torch
 torch.manual_seed(0)
 q, kk, v = torch.randn(1, 5, 2, 64), torch.randn(1, 5, 2, 64), torch.randn(1, 5, 4, 64)
 g, beta = k.gates(torch.randn(4), torch.randn(1, 5, 4), torch.randn(4), torch.randn(1, 5, 4))
@@ -31,17 +25,7 @@ res = {
     "layer": k.layers.Qwen3_5GatedDeltaNet.__name__,
     "info": k.info(),
 }
-print("RESULT" + json.dumps(res))
 """
-
-
-def run_fresh(prelude: str, env_extra: dict | None = None) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
-    code = textwrap.dedent(prelude) + CALL_EVERY_OP
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
 
 
 def check(res: dict) -> None:
@@ -52,42 +36,16 @@ def check(res: dict) -> None:
 
 
 def test_get_kernel_with_local_kernels():
-    res = run_fresh(
-        f"""
-        import kernels
-        k = kernels.get_kernel("ggml-org/ggml-gated-delta-net", version=1, **{backend_kwargs()!r})
-        """,
-        {"LOCAL_KERNELS": local_kernels_env()},
-    )
-    check(res)
+    check(run_fresh(REPO_ID, CALL_EVERY_OP))
 
 
 def test_get_local_kernel():
-    res = run_fresh(
-        f"""
-        from pathlib import Path
-        import kernels
-        k = kernels.get_local_kernel(Path({str(PKG)!r}), **{backend_kwargs()!r})
-        """
-    )
-    check(res)
+    check(run_fresh(REPO_ID, CALL_EVERY_OP, via="get_local_kernel"))
 
 
-@pytest.mark.parametrize("level", ["x64", "haswell", "skylakex", "zen4"])
+@pytest.mark.parametrize("level", CPU_LEVELS)
 def test_every_cpu_level_loads_and_agrees(gdn, level):
-    if level != "x64":
-        flags = open("/proc/cpuinfo").read()
-        needed = {"haswell": "avx2", "skylakex": "avx512bw", "zen4": "avx512_bf16"}[level]
-        if needed not in flags:
-            pytest.skip(f"this CPU has no {needed}")
-    res = run_fresh(
-        f"""
-        from pathlib import Path
-        import kernels
-        k = kernels.get_local_kernel(Path({str(PKG)!r}), **{backend_kwargs()!r})
-        """,
-        {"GGML_KERNELS_CPU_VARIANT": level},
-    )
+    res = run_fresh(REPO_ID, CALL_EVERY_OP, via="get_local_kernel", level=level)
     assert res["info"]["cpu_variant"] == level
     check(res)
     torch.manual_seed(0)

@@ -4,20 +4,14 @@ bits as the default one."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
-from kernel_testing import REPO, backend_kwargs, local_kernels_env
+from kernel_testing import run_fresh
 
-PKG = REPO / "packages" / "topk"
+REPO_ID = "transformers-community/topk"
 
 CALL_EVERY_FUNCTION = """
-import json, torch
+import torch
 torch.manual_seed(0)
 x = torch.randn(37, 256) * 3
 w, i = k.softmax_top_k(x, 8)
@@ -30,17 +24,7 @@ res = {
     "layer": k.layers.SoftmaxTopKRouter.__name__,
     "info": k.info(),
 }
-print("RESULT" + json.dumps(res))
 """
-
-
-def run_fresh(prelude: str, env_extra: dict | None = None) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
-    code = textwrap.dedent(prelude) + CALL_EVERY_FUNCTION
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
 
 
 def check(res: dict) -> None:
@@ -56,41 +40,18 @@ def check(res: dict) -> None:
 
 
 def test_get_kernel_with_local_kernels():
-    res = run_fresh(
-        f"""
-        import kernels
-        k = kernels.get_kernel("transformers-community/topk", version=1, **{backend_kwargs()!r})
-        """,
-        {"LOCAL_KERNELS": local_kernels_env()},
-    )
-    check(res)
+    check(run_fresh(REPO_ID, CALL_EVERY_FUNCTION))
 
 
 def test_get_local_kernel():
-    res = run_fresh(
-        f"""
-        from pathlib import Path
-        import kernels
-        k = kernels.get_local_kernel(Path({str(PKG)!r}), **{backend_kwargs()!r})
-        """
-    )
-    check(res)
+    check(run_fresh(REPO_ID, CALL_EVERY_FUNCTION, via="get_local_kernel"))
 
 
 @pytest.mark.parametrize("level", ["x64", "haswell"])
 def test_cpu_levels_agree_bit_for_bit(tk, level):
     """The exp runs as baseline SSE2 code or as AVX2 code with the same arithmetic and summation
     order: the same weights to the bit."""
-    if level != "x64" and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU has no AVX2")
-    res = run_fresh(
-        f"""
-        from pathlib import Path
-        import kernels
-        k = kernels.get_local_kernel(Path({str(PKG)!r}), **{backend_kwargs()!r})
-        """,
-        {"GGML_KERNELS_CPU_VARIANT": level},
-    )
+    res = run_fresh(REPO_ID, CALL_EVERY_FUNCTION, via="get_local_kernel", level=level)
     assert res["info"]["cpu_variant"] == level
     check(res)
     torch.manual_seed(0)

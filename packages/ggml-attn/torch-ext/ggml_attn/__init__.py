@@ -15,9 +15,13 @@ from __future__ import annotations
 import torch
 
 from . import layers, reference
+from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
-__all__ = ["MAX_HEAD_DIM", "SUPPORTED_DTYPES", "flash_attn", "flash_attn_forward", "layers", "reference", "supports_flash_attn"]
+__all__ = [
+    "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "flash_attn", "flash_attn_forward", "info", "layers", "reference",
+    "supports_flash_attn",
+]
 
 MAX_HEAD_DIM = 1024
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -77,7 +81,5 @@ def flash_attn_forward(
 
 @torch.library.register_fake(add_op_namespace_prefix("flash_attn"))
 def _flash_attn_fake(q, k, v, mask, causal, scale, softcap, sinks):
-    devices = {t.device for t in (q, k, v, mask, sinks) if t is not None}
-    if len(devices) > 1:
-        raise ValueError(f"flash_attn: all tensors must be on one device, got {sorted(map(str, devices))}")
+    same_device("flash_attn", q=q, k=k, v=v, mask=mask, sinks=sinks)
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, layers, reference
+from . import layers, reference
+from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -53,16 +54,6 @@ HEAD_DIMS = (32, 64, 128)
 # transformers' (and FLA's) l2norm epsilon; gated_delta_net(l2_normalize_qk=True) uses it.
 L2_EPS = 1e-6
 
-_extension = getattr(_ops, ops.name)
-
-
-def info() -> dict[str, str]:
-    """Which ggml runtime this build loaded: CPU variant, library path, ggml version."""
-    return {
-        "cpu_variant": _extension.cpu_variant(),
-        "runtime": _extension.runtime_path(),
-        "ggml": _extension.ggml_version(),
-    }
 
 
 def gated_delta_net(
@@ -114,15 +105,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 # Mixed devices dispatch here too (the meta key outranks the others), so they are refused here.
 
 
-def _same_device(op: str, **tensors: torch.Tensor | None) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
-
 
 @torch.library.register_fake(add_op_namespace_prefix("gated_delta_net"))
 def _gated_delta_net_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
-    _same_device("gated_delta_net", q=q, k=k, v=v, g=g, beta=beta, state=state)
+    same_device("gated_delta_net", q=q, k=k, v=v, g=g, beta=beta, state=state)
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     b, t, hv, dv = v.shape
@@ -132,7 +118,7 @@ def _gated_delta_net_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
 
 @torch.library.register_fake(add_op_namespace_prefix("causal_conv1d"))
 def _causal_conv1d_fake(x, weight, state, bias, activation):
-    _same_device("causal_conv1d", x=x, weight=weight, state=state, bias=bias)
+    same_device("causal_conv1d", x=x, weight=weight, state=state, bias=bias)
     b, c, t = x.shape
     w = state.shape[-1] if state is not None else weight.shape[-1]
     y = x.new_empty((b, t, c)).transpose(1, 2)
@@ -146,11 +132,11 @@ def _l2_norm_fake(x, eps):
 
 @torch.library.register_fake(add_op_namespace_prefix("gates"))
 def _gates_fake(A_log, a, dt_bias, b):
-    _same_device("gates", A_log=A_log, a=a, dt_bias=dt_bias, b=b)
+    same_device("gates", A_log=A_log, a=a, dt_bias=dt_bias, b=b)
     return a.new_empty(a.shape, dtype=torch.float32), b.new_empty(b.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("gated_rms_norm"))
 def _gated_rms_norm_fake(x, gate, weight, eps):
-    _same_device("gated_rms_norm", x=x, gate=gate, weight=weight)
+    same_device("gated_rms_norm", x=x, gate=gate, weight=weight)
     return x.new_empty(x.shape)

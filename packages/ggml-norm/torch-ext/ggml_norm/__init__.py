@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from . import _ops, layers, reference
+from . import layers, reference
+from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -27,16 +28,6 @@ __all__ = [
 
 L2_NORM_MODES = ("clamp", "rsqrt")
 
-_extension = getattr(_ops, ops.name)
-
-
-def info() -> dict[str, str]:
-    """Which ggml runtime this build loaded: CPU variant, library path, ggml version."""
-    return {
-        "cpu_variant": _extension.cpu_variant(),
-        "runtime": _extension.runtime_path(),
-        "ggml": _extension.ggml_version(),
-    }
 
 
 def rms_norm(
@@ -100,11 +91,6 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6, mode: str = "clamp") -> torch.Te
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _same_device(op: str, **tensors: torch.Tensor | None) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
-
 
 def _check_float(op: str, name: str, t: torch.Tensor) -> None:
     if t.dtype not in _FLOAT_DTYPES:
@@ -127,7 +113,7 @@ def _check_vector(op: str, name: str, t: torch.Tensor, n: int) -> None:
 
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm"))
 def _rms_norm_fake(x, weight, bias, eps, zero_centered, cast_before_weight):
-    _same_device("rms_norm", x=x, weight=weight, bias=bias)
+    same_device("rms_norm", x=x, weight=weight, bias=bias)
     _check_common("rms_norm", x, eps)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
@@ -143,7 +129,7 @@ def _rms_norm_fake(x, weight, bias, eps, zero_centered, cast_before_weight):
 
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm_gated"))
 def _rms_norm_gated_fake(x, z, weight, eps, cast_before_weight):
-    _same_device("rms_norm_gated", x=x, z=z, weight=weight)
+    same_device("rms_norm_gated", x=x, z=z, weight=weight)
     _check_common("rms_norm_gated", x, eps)
     _check_float("rms_norm_gated", "z", z)
     if z.shape != x.shape:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, layers, reference
+from . import layers, reference
+from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import GGMLType, IMATRIX_TYPES, STORAGE_TYPES, TYPE_INFO, TypeInfo, row_bytes, type_id, type_info, type_name
 
@@ -44,16 +45,6 @@ MAX_GEMV_ROWS = 8
 # ggml can quantize to every storage type (IMATRIX_TYPES need an importance matrix).
 QUANTIZE_TYPES: frozenset[int] = STORAGE_TYPES
 
-_extension = getattr(_ops, ops.name)
-
-
-def info() -> dict[str, str]:
-    """Which ggml runtime this build loaded: CPU variant, library path, ggml version."""
-    return {
-        "cpu_variant": _extension.cpu_variant(),
-        "runtime": _extension.runtime_path(),
-        "ggml": _extension.ggml_version(),
-    }
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -101,27 +92,22 @@ def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) ->
 # Mixed devices dispatch here too (the meta key outranks the others), so they are refused here.
 
 
-def _same_device(op: str, **tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
-
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat"))
 def _mul_mat_fake(blocks, x, ggml_type, out_features):
-    _same_device("mul_mat", blocks=blocks, x=x)
+    same_device("mul_mat", blocks=blocks, x=x)
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_vec"))
 def _mul_mat_vec_fake(blocks, x, ggml_type, out_features):
-    _same_device("mul_mat_vec", blocks=blocks, x=x)
+    same_device("mul_mat_vec", blocks=blocks, x=x)
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_id"))
 def _mul_mat_id_fake(blocks, x, ids, ggml_type, out_features):
-    _same_device("mul_mat_id", blocks=blocks, x=x, ids=ids)
+    same_device("mul_mat_id", blocks=blocks, x=x, ids=ids)
     return x.new_empty((x.shape[0], ids.shape[1], out_features), dtype=torch.float32)
 
 
@@ -132,11 +118,11 @@ def _dequantize_fake(blocks, ggml_type, rows, cols, dtype):
 
 @torch.library.register_fake(add_op_namespace_prefix("get_rows"))
 def _get_rows_fake(blocks, indices, ggml_type, cols, dtype):
-    _same_device("get_rows", blocks=blocks, indices=indices)
+    same_device("get_rows", blocks=blocks, indices=indices)
     return blocks.new_empty((indices.shape[0], cols), dtype=dtype)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("quantize"))
 def _quantize_fake(x, ggml_type, imatrix=None):
-    _same_device("quantize", x=x, imatrix=imatrix)
+    same_device("quantize", x=x, imatrix=imatrix)
     return x.new_empty((x.shape[0], row_bytes(ggml_type, x.shape[1])), dtype=torch.uint8)

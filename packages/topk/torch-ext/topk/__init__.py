@@ -18,7 +18,8 @@ import operator
 
 import torch
 
-from . import _ops, layers, reference
+from . import layers, reference
+from ._ggml_runtime import info
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -30,16 +31,6 @@ __all__ = [
     "top_k_ggml",
 ]
 
-_extension = getattr(_ops, ops.name)
-
-
-def info() -> dict[str, str]:
-    """Which ggml runtime this build loaded: CPU variant, library path, ggml version."""
-    return {
-        "cpu_variant": _extension.cpu_variant(),
-        "runtime": _extension.runtime_path(),
-        "ggml": _extension.ggml_version(),
-    }
 
 
 def _k(k) -> int:
