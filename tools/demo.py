@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,9 +44,11 @@ def main() -> None:
     reader = gguf.GGUFReader(path)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     weights = {}
-    for t in reader.tensors:
-        if len(t.shape) == 2 and t.tensor_type not in (gguf.GGMLQuantizationType.F32,):
-            weights[t.name] = (torch.from_numpy(np.asarray(t.data)), int(t.tensor_type), int(t.shape[0]), int(t.shape[1]))
+    with warnings.catch_warnings():  # the file is mapped read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        for t in reader.tensors:
+            if len(t.shape) == 2 and t.tensor_type not in (gguf.GGMLQuantizationType.F32,):
+                weights[t.name] = (torch.from_numpy(np.asarray(t.data)), int(t.tensor_type), int(t.shape[0]), int(t.shape[1]))
     load_s = time.perf_counter() - t0
     packed_bytes = sum(w[0].numel() for w in weights.values())
     dense_bytes = sum(4 * w[2] * w[3] for w in weights.values())
