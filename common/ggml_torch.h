@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <atomic>
@@ -85,7 +86,9 @@ void parallel_chunks(int64_t n, int64_t min_chunk, int64_t align, int64_t chunks
     return;
   }
   std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller;  // inference mode, grad mode...: workers see the caller's
   at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard guard(caller);
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       fn(t * chunk, std::min(n, (t + 1) * chunk));
     }

@@ -1,0 +1,111 @@
+"""Run transformers' GGUF models on ggml-kernels: `enable()`, then load as usual.
+
+    import ggml_kernels_integration as gk
+    gk.enable()
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=name)
+
+`enable()` is thin, it rewrites no model code:
+- points the Hub ids transformers asks for at our local builds (LOCAL_KERNELS), and resolves them
+  as CPU builds even on a CUDA build of torch;
+- maps the layer kernels (RMSNormZeroCentered, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter) for the
+  CPU too (transformers maps them for "mps" only);
+- on the CPU routes what transformers keeps for itself there through our kernels: embeddings of
+  packed tables (get_rows) and prefill matmuls on packed weights (mul_mat), so no weight is ever
+  unpacked to a dense copy.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+LAYER_KERNELS = {
+    "RMSNormZeroCentered": "ggml-org/ggml-norm",
+    "Qwen3_5GatedDeltaNet": "ggml-org/ggml-gated-delta-net",
+    "SoftmaxTopKRouter": "transformers-community/topk",
+}
+
+_state: dict = {}
+
+
+def builds() -> dict[str, Path]:
+    """Hub id -> package folder, for every package of this repo that has a build."""
+    out = {}
+    for toml in sorted((REPO / "packages").glob("*/build.toml")):
+        with open(toml, "rb") as f:
+            repo_id = tomllib.load(f)["general"]["hub"]["repo-id"]
+        if any((toml.parent / "build").glob("torch*-cpu-*")):
+            out[repo_id] = toml.parent
+    return out
+
+
+def _variant_dir(package: Path) -> Path:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
+    return package / "build" / f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
+
+
+def enable() -> None:
+    """Make transformers' GGUF path run on ggml-kernels (idempotent). See the module docstring."""
+    if _state.get("enabled"):
+        return
+    import kernels
+    from kernels import LocalLayerRepository, Mode
+    from transformers.integrations import hub_kernels
+    from transformers.integrations.gguf import kernels as gguf_kernels
+    from transformers.integrations.gguf import utils as gguf_utils
+
+    ours = builds()
+    if "ggml-org/ggml-quantization" not in ours:
+        raise RuntimeError("ggml-quantization is not built: run `python tools/build.py` (or `nox -s build`)")
+    mapping = ":".join(f"{repo}={path}" for repo, path in ours.items())
+    os.environ["LOCAL_KERNELS"] = ":".join(p for p in (os.environ.get("LOCAL_KERNELS"), mapping) if p)
+
+    # Our builds are CPU builds: resolve our ids with backend="cpu" whatever torch was built for.
+    original_get_kernel = hub_kernels.get_kernel_hub
+
+    def get_kernel(repo_id, *args, **kwargs):
+        if repo_id in ours and torch.version.cuda:
+            kwargs.setdefault("backend", "cpu")
+        return original_get_kernel(repo_id, *args, **kwargs)
+
+    hub_kernels.get_kernel_hub = get_kernel
+    gguf_kernels._gguf_kernel = None  # forget a lookup made before enable()
+
+    # Layer kernels for the devices we build for (the build folder itself: no Hub call, no backend
+    # guess). transformers drops a layer whose every entry does not load, and its "mps" entries ask
+    # the Hub for a version, so a layer we build replaces transformers' entry instead of joining it.
+    original_mapping = gguf_kernels.get_ggml_layer_mapping
+
+    def layer_mapping() -> dict:
+        out = original_mapping()
+        for layer, repo_id in LAYER_KERNELS.items():
+            if repo_id in ours:
+                repo = LocalLayerRepository(repo_path=_variant_dir(ours[repo_id]), layer_name=layer)
+                out[layer] = {"cpu": {Mode.INFERENCE: repo}}
+        return out
+
+    gguf_kernels.get_ggml_layer_mapping = layer_mapping
+
+    # On the CPU transformers unpacks embeddings and prefill weights with its own torch code
+    # (kernel_can_read is False there): our get_rows / mul_mat read the packed blocks directly.
+    original_can_read = gguf_kernels.kernel_can_read
+
+    def kernel_can_read(tensor) -> bool:
+        return gguf_kernels.get_gguf_kernel() is not False and (tensor.device.type == "cpu" or original_can_read(tensor))
+
+    gguf_kernels.kernel_can_read = kernel_can_read
+    quant = kernels.get_kernel("ggml-org/ggml-quantization", version=1, **({"backend": "cpu"} if torch.version.cuda else {}))
+    original_unpack = gguf_utils.GgufLinear._unpack_matmul
+
+    def unpack_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.weight.device.type != "cpu":
+            return original_unpack(self, flat)
+        return quant.mul_mat(self.weight, flat, self.ggml_type, self.out_features).to(flat.dtype)
+
+    gguf_utils.GgufLinear._unpack_matmul = unpack_matmul
+    _state.update(enabled=True, quant=quant)
