@@ -55,6 +55,11 @@ def _install_llama_cpp(session: nox.Session) -> None:
     session.install(*LLAMA_CPP_DEPS)
 
 
+def _install_integration(session: nox.Session) -> None:
+    """integration/ (ggml_kernels_integration), editable: it finds the builds in this checkout."""
+    session.install("--no-deps", "-e", "integration")
+
+
 @nox.session
 @nox.parametrize("torch", TORCH)
 def build(session: nox.Session, torch: str) -> None:
@@ -69,6 +74,7 @@ def tests(session: nox.Session, torch: str) -> None:
     """Build, then run the tests of every package (or the paths given after --)."""
     _install(session, torch, *TEST_DEPS)
     _install_llama_cpp(session)
+    _install_integration(session)
     _build(session)
     session.run("python", "-m", "pytest", *(session.posargs or []), env=_env(session))
 

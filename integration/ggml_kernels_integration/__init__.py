@@ -7,8 +7,10 @@
 `enable()` is thin, it rewrites no model code:
 - points the Hub ids transformers asks for at our local builds (LOCAL_KERNELS), and resolves them
   as CPU builds even on a CUDA build of torch;
-- maps the layer kernels (RMSNormZeroCentered, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter) for the
-  CPU too (transformers maps them for "mps" only);
+- maps the layer kernels (RMSNormZeroCentered, RMSNorm, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter)
+  for the CPU too (transformers maps them for "mps" only);
+- keeps `llama` files (SmolLM2, ...) packed too: transformers sends them to its older loader, which
+  dequantizes every weight (see `archs`);
 - on the CPU routes what transformers keeps for itself there through our kernels: embeddings of
   packed tables (get_rows) and prefill matmuls on packed weights (mul_mat), so no weight is ever
   unpacked to a dense copy.
@@ -17,14 +19,20 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
+import tomllib
 import torch
+
+from . import archs
+from .validate import GgufFileError, GgufSummary, check_gguf
+
+__all__ = ["GgufFileError", "GgufSummary", "builds", "check_gguf", "enable"]
 
 REPO = Path(__file__).resolve().parents[2]
 LAYER_KERNELS = {
     "RMSNormZeroCentered": "ggml-org/ggml-norm",
+    "RMSNorm": "ggml-org/ggml-norm",
     "Qwen3_5GatedDeltaNet": "ggml-org/ggml-gated-delta-net",
     "SoftmaxTopKRouter": "transformers-community/topk",
 }
@@ -91,6 +99,13 @@ def enable() -> None:
 
     gguf_kernels.get_ggml_layer_mapping = layer_mapping
 
+    # Architectures transformers still sends to its dequantizing loader (llama: SmolLM2, ...).
+    archs.register()
+
+    # A damaged or unsupported file fails on its first header read (the config's), in one clear
+    # sentence, before a model is built (see `validate`).
+    _check_files_before_transformers_reads_them()
+
     # On the CPU transformers unpacks embeddings and prefill weights with its own torch code
     # (kernel_can_read is False there): our get_rows / mul_mat read the packed blocks directly.
     original_can_read = gguf_kernels.kernel_can_read
@@ -109,3 +124,24 @@ def enable() -> None:
 
     gguf_utils.GgufLinear._unpack_matmul = unpack_matmul
     _state.update(enabled=True, quant=quant)
+
+
+def _check_files_before_transformers_reads_them() -> None:
+    import transformers.integrations.gguf as gguf_package
+    from transformers.integrations.gguf import reader
+    from transformers.quantizers import quantizer_gguf
+
+    original = reader.read_gguf_metadata
+    checked: set = set()
+
+    def read_gguf_metadata(gguf_path, *args, **kwargs):
+        stat = os.stat(gguf_path) if os.path.isfile(gguf_path) else None
+        key = (os.path.realpath(gguf_path), stat and stat.st_size, stat and stat.st_mtime_ns)
+        if key not in checked:
+            check_gguf(gguf_path)
+            checked.add(key)
+        return original(gguf_path, *args, **kwargs)
+
+    reader.read_gguf_metadata = read_gguf_metadata
+    gguf_package.read_gguf_metadata = read_gguf_metadata  # config / tokenizer import it from here
+    quantizer_gguf.read_gguf_metadata = read_gguf_metadata
