@@ -14,9 +14,13 @@ What is expected, and why the bounds are what they are:
 - Ours vs llama.cpp: both round the activations to 8 bits before each quantized matmul (Q8_0 / Q8_1
   / Q8_K, ggml's own code in both), so they agree far more closely than either agrees with float32
   transformers. Measured (AVX-512 CPU, 2 threads): Qwen3.5 tiny dense / MoE mean KL 5e-5 / 3e-5,
-  top-1 1.0, the same 16 greedy tokens. SmolLM2 (30 layers, a real model: 8-bit activation
-  rounding turns float-order differences into whole rounding steps, and they compound) mean KL
-  0.004, top-1 1.0. Bounds: about 10x / 3x those.
+  top-1 1.0, the same 16 greedy tokens. SmolLM2 mean KL 0.004, top-1 1.0: a real 30-layer model,
+  where 8-bit activation rounding turns float-order differences into whole rounding steps that
+  compound. Swapping only the attention of our run between sdpa, eager and ggml-attn (all float32)
+  moves its logits by a mean KL of 0.0015 already, and llama.cpp against itself (1 or 2 threads,
+  batch 8 or 512) is bit-identical, so the rest is summation order, not a misread weight (rope
+  angles computed ggml's way, by repeated float multiplication, change nothing). Bounds: about
+  10x / 3x those.
 - Ours vs stock transformers: the gap is the activation rounding, the same size as llama.cpp vs
   stock transformers (tests/test_gguf_models.py: dense Q4_K_M KL 0.0037, MoE 0.0080 with one routing
   flip; SmolLM2 0.006). Greedy tokens of a random-weight model drift apart once two logits are
