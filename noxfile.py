@@ -5,6 +5,7 @@
     nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
     nox -s demo                       # the main job (README)
+    nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
 
 Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle wheel are cached in
 ~/.cache/ggml-kernels (GGML_KERNELS_CACHE), so nothing already built is built again.
@@ -79,12 +80,27 @@ def tests(session: nox.Session, torch: str) -> None:
     session.run("python", "-m", "pytest", *(session.posargs or []), env=_env(session))
 
 
+def _install_model_runs(session: nox.Session, *extra: str) -> None:
+    """For whole-model runs: torch + the test dependencies, llama.cpp, every package built, and
+    ggml_kernels_integration."""
+    _install(session, TORCH[0], *TEST_DEPS, *extra)
+    _install_llama_cpp(session)
+    _install_integration(session)
+    _build(session)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: a real GGUF model's weights through our kernels, checked and timed."""
-    _install(session, TORCH[0], *TEST_DEPS)
-    _build(session)
+    """The main job: GGUF models in transformers on our kernels, vs transformers alone and llama.cpp."""
+    _install_model_runs(session)
     session.run("python", "tools/demo.py", *session.posargs, env=_env(session))
+
+
+@nox.session(name="bench-e2e")
+def bench_e2e(session: nox.Session) -> None:
+    """Whole models on every backend (ours, transformers f32/bf16, llama.cpp): bench-results/e2e.*"""
+    _install_model_runs(session, "matplotlib")
+    session.run("python", "tools/bench_e2e.py", *session.posargs, env=_env(session))
 
 
 @nox.session
@@ -94,4 +110,6 @@ def bench(session: nox.Session) -> None:
     _install_llama_cpp(session)
     _build(session)
     for script in sorted((REPO / "tools").glob("bench_*.py")):  # one table per package
+        if script.name == "bench_e2e.py":  # whole models, not one package: its own session, bench-e2e
+            continue
         session.run("python", str(script.relative_to(REPO)), *session.posargs, env=_env(session))

@@ -1,104 +1,152 @@
-"""The main job: run a real GGUF model's weights through our kernels and report what ran and how fast.
+"""The main job: GGUF models run by transformers on our kernels, next to transformers alone and llama.cpp.
 
-Loads SmolLM2-135M-Instruct (Q4_1) from its GGUF file, keeps every weight packed as stored, and
-times one decode token's worth of mat-vecs (every linear layer of the model, M=1) and a 64-token
-prefill's mat-mats with ggml-quantization, next to what transformers does on the CPU without
-kernels (dense float32 weights made at load). Results are checked against gguf-py's dequantizer.
+1. Model files (made if missing): a Qwen3.5-0.8B-shaped Q4_K_M file (random weights, tools/make_gguf.py)
+   and the real SmolLM2-135M-Instruct Q4_1 (arch llama, tools/models.py).
+2. SmolLM2 answers a question with greedy decoding through our kernels (`python -m
+   ggml_kernels_integration generate --chat`), next to transformers alone and llama.cpp.
+3. Each model on each backend in a process of its own (`python -m ggml_kernels_integration bench`):
+   prefill and decode tokens/s, peak memory, and which of our kernels ran (torch profiler).
 
-    python tools/demo.py [--threads 2]
+    python tools/demo.py [--threads N] [--prompt-tokens 64] [--decode-tokens 32]
+
+Short on purpose (a few minutes on 2 cores); tools/bench_e2e.py is the full benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kernel_testing  # noqa: E402
-from benchutil import median_time  # noqa: E402
+import bench_e2e  # noqa: E402
+import make_gguf  # noqa: E402
 import models  # noqa: E402
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+ANSWER_TOKENS = 24
+DEMO_MODELS = {
+    "qwen35-0.8b": ("Qwen3.5-0.8B shapes, random weights, Q4_K_M", lambda: make_gguf.ensure("qwen35-0.8b", "Q4_K_M")),
+    "smollm2-135m": ("SmolLM2-135M-Instruct, real weights, Q4_1", models.smollm2_gguf),
+}
+DEMO_BACKENDS = ("transformers-f32", "kernels", "llama.cpp")
+BACKEND_LABELS = {"transformers-f32": "transformers f32", "transformers-bf16": "transformers bf16",
+                  "kernels": "ggml kernels (ours)", "llama.cpp": "llama.cpp"}
+
+
+def _log(message: str) -> None:
+    print(f"  ... {message}", file=sys.stderr, flush=True)
+
+
+def cli_generate(path: Path, kernels_on: bool, threads: int) -> tuple[str, str]:
+    """(answer text, summary line) of `ggml-kernels generate --chat` on SmolLM2 in a fresh process."""
+    command = [sys.executable, "-m", "ggml_kernels_integration", "generate", "--gguf", str(path), "--chat",
+               "--prompt", QUESTION, "--max-new-tokens", str(ANSWER_TOKENS), "--threads", str(threads)]
+    if not kernels_on:
+        command.append("--no-kernels")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    summary = next((line for line in reversed(proc.stderr.splitlines()) if line.startswith("prompt ")), "")
+    return proc.stdout.strip(), summary
+
+
+def llama_cpp_answer(path: Path, threads: int) -> str:
+    """llama.cpp's greedy answer to the same chat turn (its own chat template code, the file's template)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=512, verbose=False)
+    reply = llm.create_chat_completion([{"role": "user", "content": QUESTION}], temperature=0.0, max_tokens=ANSWER_TOKENS)
+    return reply["choices"][0]["message"]["content"].strip()
+
+
+def chat_section(threads: int) -> list[str]:
+    path = models.smollm2_gguf()
+    _log("SmolLM2 chat: our kernels")
+    ours, ours_summary = cli_generate(path, kernels_on=True, threads=threads)
+    _log("SmolLM2 chat: transformers alone")
+    alone, alone_summary = cli_generate(path, kernels_on=False, threads=threads)
+    _log("SmolLM2 chat: llama.cpp")
+    reference = llama_cpp_answer(path, threads)
+    return [
+        f"SmolLM2-135M-Instruct (Q4_1) asked {QUESTION!r}, greedy, up to {ANSWER_TOKENS} tokens:",
+        f"  ours              {ours!r}",
+        f"  transformers f32  {alone!r}",
+        f"  llama.cpp         {reference!r}  ({'same text as ours' if reference == ours else 'differs from ours'})",
+        f"  ours:  {ours_summary}",
+        f"  alone: {alone_summary}",
+    ]
+
+
+def _kernel_summary(calls: dict) -> str:
+    """`package::op xN` grouped by package: `ggml_quantization: mul_mat x210, mul_mat_vec x845; ...`."""
+    by_package: dict[str, list[str]] = {}
+    for name, count in calls.items():
+        package, op = name.split("::")
+        by_package.setdefault(package, []).append(f"{op} x{count}")
+    return "; ".join(f"{package}: {', '.join(ops)}" for package, ops in by_package.items()) or "none"
+
+
+def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
+    n_prompt, n_decode = settings["prompt_tokens"][0], settings["decode_tokens"]
+    lines = [f"prefill {n_prompt} tokens, then {n_decode} greedy decode tokens (tok/s, median of {settings['repeats']}); "
+             "each backend in a process of its own",
+             f"  {'model / backend':28s} {'prefill':>8s} {'decode':>8s} {'peak RSS':>9s} {'weights':>8s} {'load':>6s}"]
+    ggml = ""
+    for model, (description, make_path) in DEMO_MODELS.items():
+        path = make_path()
+        lines.append(f"{model} ({description})")
+        rows = {}
+        for backend in DEMO_BACKENDS:
+            _log(f"bench {model} on {backend}")
+            row = bench_e2e.measure(path, backend, settings, threads)
+            rows[backend] = row
+            if "error" in row:
+                lines.append(f"  {BACKEND_LABELS[backend]:28s} FAILED: {bench_e2e.error_summary(row)}")
+                continue
+            lines.append(f"  {BACKEND_LABELS[backend]:28s} {row['prefill_tok_s'][str(n_prompt)]:8.1f} "
+                         f"{row['decode_tok_s']:8.1f} {row['peak_rss_mib']:5.0f} MiB {row['weights_mib']:4.0f} MiB "
+                         f"{row['load_s']:5.1f}s")
+        ours = rows.get("kernels", {})
+        if "error" not in ours:
+            ratio = bench_e2e.comparisons({b: r for b, r in rows.items() if "error" not in r})["kernels"]
+            lines.append(f"  ours: decode {bench_e2e.fmt_value(ratio['decode_vs_f32'], '.1f', 'x')} transformers f32 and "
+                         f"{bench_e2e.fmt_value(ratio['decode_vs_llama_cpp'], '.2f', 'x')} llama.cpp; "
+                         f"{bench_e2e.fmt_value(ratio['memory_f32_over_this'], '.1f', 'x')} less peak memory than f32")
+            lines.append(f"  our kernels in a {ours['profiled']}: {_kernel_summary(ours['kernel_calls'])}")
+            versions = ours.get("versions", {})
+            ggml = f"ggml {versions.get('ggml', '?')}, CPU level '{versions.get('ggml_cpu_level', '?')}'"
+    return lines, ggml
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for every backend (default: torch's)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    import gguf
-    import numpy as np
-    import torch
+    from ggml_kernels_integration import bench
 
-    torch.set_num_threads(args.threads)
-    kernel_testing.point_hub_ids_at_local_builds()
-    gq = kernel_testing.load_kernel("ggml-org/ggml-quantization")
-    info = gq.info()
-    print(f"ggml-quantization: ggml {info['ggml']}, CPU level '{info['cpu_variant']}', {args.threads} threads")
-
-    path = models.smollm2_gguf()
-    t0 = time.perf_counter()
-    reader = gguf.GGUFReader(path)
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    weights = {}
-    with warnings.catch_warnings():  # the file is mapped read-only; nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        for t in reader.tensors:
-            if len(t.shape) == 2 and t.tensor_type not in (gguf.GGMLQuantizationType.F32,):
-                weights[t.name] = (torch.from_numpy(np.asarray(t.data)), int(t.tensor_type), int(t.shape[0]), int(t.shape[1]))
-    load_s = time.perf_counter() - t0
-    packed_bytes = sum(w[0].numel() for w in weights.values())
-    dense_bytes = sum(4 * w[2] * w[3] for w in weights.values())
-    print(f"model: {path.name} (arch {arch}), {len(weights)} packed matrices, "
-          f"{packed_bytes / 2**20:.0f} MiB packed vs {dense_bytes / 2**20:.0f} MiB as float32 "
-          f"({dense_bytes / packed_bytes:.1f}x), mapped in {load_s * 1000:.0f} ms")
-
-    embd_name = "token_embd.weight"
-    emb_blocks, emb_type, emb_cols, emb_rows = weights.pop(embd_name)
-    linears = weights
-
-    # correctness against gguf-py, on the first layer's matrices and the embedding
-    worst = 0.0
-    for name in [n for n in linears if n.startswith("blk.0.")]:
-        blocks, t, cols, rows = linears[name]
-        dense = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(t))).reshape(rows, cols)
-        x = torch.randn(4, cols)
-        ref = x @ dense.T
-        out = gq.mul_mat_vec(blocks, x, t, rows)
-        worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
-    ids = torch.randint(0, emb_rows, (32,))
-    emb = gq.get_rows(emb_blocks, ids, emb_type, emb_cols, torch.float32)
-    emb_ref = torch.from_numpy(gguf.quants.dequantize(emb_blocks[ids].numpy(), gguf.GGMLQuantizationType(emb_type)))
-    exact = torch.equal(emb, emb_ref.reshape(emb.shape))
-    print(f"check vs gguf-py: layer-0 mat-vecs within {worst:.2e} of dequantize+matmul "
-          f"(llama.cpp-style activation quantization), embedding rows {'bit-exact' if exact else 'DIFFER'}")
-
-    # what transformers keeps on CPU without kernels: float32 weights made once at load
-    dense = {n: gq.dequantize(b, t, r, c, torch.float32) for n, (b, t, c, r) in linears.items()}
-    rows_out = []
-    for m, label in ((1, "decode: 1 token"), (64, "prefill: 64 tokens")):
-        xs = {c: torch.randn(m, c) for c in {v[2] for v in linears.values()}}
-        fn = gq.mul_mat_vec if m <= gq.MAX_GEMV_ROWS else gq.mul_mat
-
-        def ours():
-            for b, t, c, r in linears.values():
-                fn(b, xs[c], t, r)
-
-        def transformers_cpu():
-            for n, (b, t, c, r) in linears.items():
-                torch.nn.functional.linear(xs[c], dense[n])
-
-        t_ours, t_tf = median_time(ours), median_time(transformers_cpu)
-        rows_out.append((label, t_ours, t_tf, packed_bytes / t_ours / 1e9))
-    print(f"\nall {len(linears)} linear layers of the model, per forward pass:")
-    print(f"  {'':20s} {'ggml kernels':>14s} {'transformers f32':>17s} {'speedup':>8s} {'weights read':>13s}")
-    for label, a, b, gbs in rows_out:
-        print(f"  {label:20s} {a * 1000:11.2f} ms {b * 1000:14.2f} ms {b / a:7.1f}x {gbs:9.1f} GB/s")
-    print(f"\nmemory for the weights: {packed_bytes / 2**20:.0f} MiB packed (ggml kernels) vs "
-          f"{dense_bytes / 2**20:.0f} MiB float32 (transformers without kernels)")
+    start = time.perf_counter()
+    threads = args.threads or bench.default_threads()
+    print("model files:", file=sys.stderr)
+    for _, make_path in DEMO_MODELS.values():
+        print(f"  {make_path()}", file=sys.stderr)  # made here if missing (a minute for the 0.8B file)
+    settings = {"prompt_tokens": [args.prompt_tokens], "decode_tokens": args.decode_tokens, "repeats": args.repeats}
+    chat = chat_section(threads)
+    table, ggml = bench_section(settings, threads)
+    print()
+    print(f"ggml-kernels demo: {ggml}, {threads} threads")
+    print()
+    print("\n".join(chat))
+    print()
+    print("\n".join(table))
+    print(f"\n(demo took {time.perf_counter() - start:.0f} s; full benchmark: tools/bench_e2e.py, nox -s bench-e2e)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,327 @@
+"""End-to-end measurements of one backend on one GGUF file, in this process.
+
+Backends:
+    kernels            transformers + ggml-kernels (`enable()`): weights stay packed, our kernels compute
+    transformers-f32   transformers alone: every weight dequantized to dense float32 at load
+    transformers-bf16  the same in bfloat16
+    llama.cpp          llama-cpp-python (the llama.cpp build the tests use as oracle) on the same file
+
+Measure one backend per process: `enable()` patches transformers for the whole process and cannot be
+undone, transformers caches its kernel choice process-wide, and the peak RSS is one backend's only
+in a process of its own. `python -m ggml_kernels_integration bench` and tools/bench_e2e.py call
+`run()`.
+
+What is measured, with the same token ids for every backend (`prompt_ids`):
+    load_s           from_pretrained (model only, no tokenizer) or Llama(...), wall time
+    prefill_tok_s    one forward pass over a prompt of each length with a fresh cache, logits of the
+                     last position only (as llama.cpp computes them); median of `repeats` after a warm-up
+    decode_tok_s     `decode_tokens` greedy steps of one token each with the cache, after a prompt of
+                     the shortest length (that prefill is not timed); median of `repeats` after a warm-up
+    peak_rss_mib     the process's peak resident memory (ru_maxrss) after the timed runs; also
+                     rss_at_start_mib (before loading: interpreter and imports), load_peak_rss_mib
+                     (peak right after loading) and rss_after_load_mib (resident right after loading)
+    kernel_calls     transformers backends: our ops the profiler saw in one extra, untimed pass
+                     (`PROFILED_PROMPT_TOKENS`-token prefill + `PROFILED_DECODE_STEPS` decode steps)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import resource
+import statistics
+import time
+from pathlib import Path
+
+BACKENDS = ("kernels", "transformers-f32", "transformers-bf16", "llama.cpp")
+TRANSFORMERS_DTYPES = {"kernels": "float32", "transformers-f32": "float32", "transformers-bf16": "bfloat16"}
+DEFAULT_PROMPT_TOKENS = (64, 512)
+DEFAULT_DECODE_TOKENS = 128
+DEFAULT_REPEATS = 3
+PROFILED_PROMPT_TOKENS = 16  # > 8 rows: the prefill matmul path (mul_mat), not mat-vec
+PROFILED_DECODE_STEPS = 4
+PROMPT_SEED = 0
+DECODE_WARMUP_STEPS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# process setup shared with the CLI
+
+
+def silence_kernel_mapping_warnings() -> None:
+    """Hide the kernels library's "No kernel mapping found for layer ..." warning, which it logs once
+    per module of the model (logger `kernels.layer.layer`, a child of `kernels`)."""
+    logging.getLogger("kernels").setLevel(logging.ERROR)
+
+
+def setup_transformers(kernels_on: bool) -> None:
+    """Make this process load GGUF files with our kernels (`enable()`: packed weights) or with
+    transformers alone (every weight dequantized to a dense tensor at load). Process-wide and final:
+    call once, before the first `from_pretrained`."""
+    silence_kernel_mapping_warnings()
+    if kernels_on:
+        import ggml_kernels_integration as gk
+
+        gk.enable()
+    else:
+        os.environ.pop("LOCAL_KERNELS", None)
+        from transformers.integrations.gguf import kernels as gguf_kernels
+
+        gguf_kernels._gguf_kernel = False  # "no kernel": transformers dequantizes every weight
+
+
+def check_gguf(path: Path) -> None:
+    """`ggml_kernels_integration.check_gguf` where the package has it: a clear ValueError for a file
+    that is not a usable GGUF model."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    import ggml_kernels_integration as gk
+
+    if hasattr(gk, "check_gguf"):
+        gk.check_gguf(path)
+
+
+def load_transformers_model(path: Path, dtype_name: str):
+    """(model in eval mode, load seconds) of a GGUF file, as set up by `setup_transformers`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype_name))
+    return model.eval(), time.perf_counter() - start
+
+
+def default_threads() -> int:
+    """torch's intra-op thread count, which our kernels use too; llama.cpp is given the same."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float | None:
+    """Resident memory of this process now (Linux /proc), None where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def count_our_kernel_calls(profiler) -> dict[str, int]:
+    """`package::op` -> calls, for the ops of our packages in a torch profiler's trace.
+
+    Our ops live in namespaces `_<package>_cpu_<build hash>` (e.g. `_ggml_quantization_cpu_1a2b::mul_mat`)."""
+    calls: dict[str, int] = {}
+    for event in profiler.key_averages():
+        namespace, sep, op = event.key.partition("::")
+        if sep and namespace.startswith("_") and "_cpu_" in namespace:
+            package = namespace[1:].rsplit("_cpu_", 1)[0]
+            calls[f"{package}::{op}"] = calls.get(f"{package}::{op}", 0) + event.count
+    return dict(sorted(calls.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+
+def prompt_ids(n_tokens: int, vocab_size: int, seed: int = PROMPT_SEED) -> list[int]:
+    """`n_tokens` deterministic pseudo-random token ids in [0, vocab_size): the same for every backend
+    (and every prompt length shares its first tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(n_tokens)]
+
+
+def _median_rate(n_tokens: int, seconds: list[float]) -> float:
+    return n_tokens / statistics.median(seconds)
+
+
+class TransformersRunner:
+    """Prefill and greedy decode steps of a transformers model, timed by the caller."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def prefill(self, ids: list[int]):
+        """One forward pass over `ids` with a new cache: (cache, next greedy token)."""
+        import torch
+
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        return out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(self, cache, token, steps: int):
+        for _ in range(steps):
+            out = self.model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return cache, token
+
+
+class LlamaCppRunner:
+    """The same two steps through llama-cpp-python's low-level eval (greedy on the last logits)."""
+
+    def __init__(self, llm):
+        import numpy as np
+
+        self.llm, self.np = llm, np
+
+    def _greedy(self) -> int:
+        import llama_cpp
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(self.np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
+
+    def prefill(self, ids: list[int]):
+        self.llm.reset()
+        self.llm.eval(ids)
+        return None, self._greedy()
+
+    def decode(self, cache, token, steps: int):
+        for _ in range(steps):
+            self.llm.eval([token])
+            token = self._greedy()
+        return cache, token
+
+
+def time_prefill_and_decode(runner, vocab_size: int, prompt_tokens, decode_tokens: int, repeats: int) -> dict:
+    """Prefill tokens/s per prompt length and decode tokens/s, medians over `repeats` after a warm-up."""
+    prefill = {}
+    for n in prompt_tokens:
+        ids = prompt_ids(n, vocab_size)
+        runner.prefill(ids)  # warm-up: first-call allocations, thread pools, lazy kernel loads
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.prefill(ids)
+            seconds.append(time.perf_counter() - start)
+        prefill[str(n)] = _median_rate(n, seconds)
+
+    decode_prompt = min(prompt_tokens)
+    ids = prompt_ids(decode_prompt, vocab_size)
+    runner.decode(*runner.prefill(ids), min(DECODE_WARMUP_STEPS, decode_tokens))
+    seconds = []
+    for _ in range(repeats):
+        cache, token = runner.prefill(ids)
+        start = time.perf_counter()
+        runner.decode(cache, token, decode_tokens)
+        seconds.append(time.perf_counter() - start)
+    return {
+        "prefill_tok_s": prefill,
+        "decode_prompt_tokens": decode_prompt,
+        "decode_tok_s": _median_rate(decode_tokens, seconds),
+    }
+
+
+def ggml_versions() -> dict:
+    """The ggml version and CPU level (x64, haswell, skylakex, zen4) our kernels run; after `enable()`."""
+    import kernels
+    import torch
+
+    quant = kernels.get_kernel("ggml-org/ggml-quantization", version=1, **({"backend": "cpu"} if torch.version.cuda else {}))
+    info = quant.info()
+    return {"ggml": info["ggml"], "ggml_cpu_level": info["cpu_variant"]}
+
+
+def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: int, repeats: int) -> dict:
+    import torch
+    import transformers
+
+    setup_transformers(kernels_on=backend == "kernels")
+    model, load_s = load_transformers_model(path, TRANSFORMERS_DTYPES[backend])
+    after_load = {"load_peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": current_rss_mib()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    vocab_size = model.config.get_text_config().vocab_size
+    runner = TransformersRunner(model)
+    with torch.inference_mode():
+        timings = time_prefill_and_decode(runner, vocab_size, prompt_tokens, decode_tokens, repeats)
+        peak = peak_rss_mib()  # before the profiled pass, whose trace takes memory of its own
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with profiler:
+            runner.decode(*runner.prefill(prompt_ids(PROFILED_PROMPT_TOKENS, vocab_size)), PROFILED_DECODE_STEPS)
+    return {
+        "load_s": load_s,
+        **after_load,
+        **timings,
+        "peak_rss_mib": peak,
+        "weights_mib": weight_bytes / 2**20,
+        "kernel_calls": count_our_kernel_calls(profiler),
+        "profiled": f"{PROFILED_PROMPT_TOKENS}-token prefill + {PROFILED_DECODE_STEPS} decode steps",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     **(ggml_versions() if backend == "kernels" else {})},
+    }
+
+
+def _bench_llama_cpp(path: Path, prompt_tokens, decode_tokens: int, repeats: int, threads: int) -> dict:
+    import llama_cpp
+
+    n_ctx = max(prompt_tokens) + decode_tokens + DECODE_WARMUP_STEPS + PROFILED_DECODE_STEPS
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                          n_batch=max(512, max(prompt_tokens)), verbose=False)
+    load_s = time.perf_counter() - start
+    after_load = {"load_peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": current_rss_mib()}
+    timings = time_prefill_and_decode(LlamaCppRunner(llm), llm.n_vocab(), prompt_tokens, decode_tokens, repeats)
+    return {
+        "load_s": load_s,
+        **after_load,
+        **timings,
+        "peak_rss_mib": peak_rss_mib(),
+        "weights_mib": llama_cpp.llama_model_size(llm.model) / 2**20,
+        "kernel_calls": None,
+        "versions": {"llama-cpp-python": llama_cpp.__version__},
+    }
+
+
+def run(path, backend: str, prompt_tokens=DEFAULT_PROMPT_TOKENS, decode_tokens: int = DEFAULT_DECODE_TOKENS,
+        repeats: int = DEFAULT_REPEATS, threads: int | None = None) -> dict:
+    """Measure `backend` on the GGUF file `path` in this process; a JSON-ready dict (module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if not prompt_tokens or min(prompt_tokens) < 1 or decode_tokens < 1 or repeats < 1:
+        raise ValueError("prompt lengths, decode tokens and repeats must be at least 1")
+    path = Path(path)
+    check_gguf(path)
+    rss_at_start = peak_rss_mib()  # the interpreter and the libraries imported so far
+    if threads is None:
+        threads = default_threads()
+    prompt_tokens = sorted(set(prompt_tokens))
+    if backend == "llama.cpp":
+        measured = _bench_llama_cpp(path, prompt_tokens, decode_tokens, repeats, threads)
+    else:
+        import torch
+
+        torch.set_num_threads(threads)
+        measured = _bench_transformers(path, backend, prompt_tokens, decode_tokens, repeats)
+    return {
+        "model": path.name,
+        "gguf": str(path),
+        "backend": backend,
+        "threads": threads,
+        "repeats": repeats,
+        "decode_tokens": decode_tokens,
+        "rss_at_start_mib": rss_at_start,
+        **measured,
+    }
+
+
+def format_result(result: dict) -> str:
+    """A few human-readable lines for one `run()` result."""
+    prefill = ", ".join(f"{n} tok: {rate:.1f}" for n, rate in result["prefill_tok_s"].items())
+    lines = [
+        f"{result['model']} on {result['backend']} ({result['threads']} threads, median of {result['repeats']})",
+        f"  load {result['load_s']:.2f} s, weights {result['weights_mib']:.0f} MiB, "
+        f"peak RSS {result['peak_rss_mib']:.0f} MiB ({result['rss_at_start_mib']:.0f} before loading, "
+        f"{result['load_peak_rss_mib']:.0f} peak while loading, {result['rss_after_load_mib'] or 0:.0f} resident after)",
+        f"  prefill tok/s: {prefill}",
+        f"  decode tok/s: {result['decode_tok_s']:.1f} ({result['decode_tokens']} greedy tokens "
+        f"after {result['decode_prompt_tokens']})",
+    ]
+    if result.get("kernel_calls") is not None:
+        calls = ", ".join(f"{op} x{n}" for op, n in result["kernel_calls"].items()) or "none"
+        lines.append(f"  our kernels in a {result['profiled']}: {calls}")
+    return "\n".join(lines)

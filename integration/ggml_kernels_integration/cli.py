@@ -1,0 +1,149 @@
+"""Run or measure a GGUF model with transformers on ggml-kernels (`ggml-kernels`, `python -m ggml_kernels_integration`).
+
+    python -m ggml_kernels_integration generate --gguf FILE --prompt TEXT [--max-new-tokens N]
+        [--chat] [--no-kernels] [--dtype float32|bfloat16] [--threads N]
+    python -m ggml_kernels_integration bench --gguf FILE --backend kernels|transformers-f32|transformers-bf16|llama.cpp
+        [--prompt-tokens 64 512] [--decode-tokens 128] [--repeats N] [--threads N] [--json]
+
+generate: loads the file with transformers on our kernels (or, with --no-kernels, transformers alone,
+which dequantizes every weight), streams the greedy continuation to stdout as it comes and ends
+with one summary line on stderr (prompt tokens, prefill and decode tokens/s, load time, peak RSS).
+Progress messages go to stderr too, so stdout holds only the generated text.
+
+bench: measures one backend on one file in this process (see `ggml_kernels_integration.bench`);
+--json prints the result as one JSON object on stdout.
+
+Everything is local: the Hub is not contacted (HF_HUB_OFFLINE=1 unless set otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import bench
+
+
+def _stage(message: str) -> None:
+    print(f"[ggml-kernels] {message}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ggml-kernels", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream a greedy continuation of a prompt, then a summary line")
+    gen.add_argument("--gguf", type=Path, required=True, help="the GGUF model file")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template (one user turn)")
+    gen.add_argument("--no-kernels", action="store_true",
+                     help="transformers alone: every weight dequantized at load (the baseline)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="compute dtype; bfloat16 only with --no-kernels (our kernels compute in float32)")
+    gen.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+
+    ben = commands.add_parser("bench", help="measure load, prefill, decode and peak memory of one backend")
+    ben.add_argument("--gguf", type=Path, required=True, help="the GGUF model file")
+    ben.add_argument("--backend", choices=bench.BACKENDS, required=True)
+    ben.add_argument("--prompt-tokens", type=int, nargs="+", default=list(bench.DEFAULT_PROMPT_TOKENS),
+                     help="prefill lengths (default: %(default)s)")
+    ben.add_argument("--decode-tokens", type=int, default=bench.DEFAULT_DECODE_TOKENS)
+    ben.add_argument("--repeats", type=int, default=bench.DEFAULT_REPEATS, help="timed runs per measurement (median)")
+    ben.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ben.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    return parser
+
+
+def _chat_or_plain_ids(tokenizer, prompt: str, chat: bool):
+    if not chat:
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    if not tokenizer.chat_template:
+        raise ValueError("--chat: this GGUF file has no chat template (tokenizer.chat_template)")
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+    return encoded["input_ids"]
+
+
+def _timed_text_streamer(tokenizer):
+    """transformers' TextStreamer (prints the text as tokens arrive) that also notes when each new
+    token arrived, for the prefill (time to the first token) and decode rates."""
+    from transformers import TextStreamer
+
+    class TimedTextStreamer(TextStreamer):
+        def __init__(self):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.token_times: list[float] = []
+
+        def put(self, value):
+            if not self.next_tokens_are_prompt:  # generate() hands over the prompt first
+                self.token_times.append(time.perf_counter())
+            super().put(value)
+
+    return TimedTextStreamer()
+
+
+def generate(args) -> int:
+    import torch
+
+    path = args.gguf
+    kernels_on = not args.no_kernels
+    if kernels_on and args.dtype != "float32":
+        raise ValueError("--dtype bfloat16 needs --no-kernels: our kernels compute in float32")
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
+    bench.check_gguf(path)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _stage(f"{path.name}: transformers {'on ggml-kernels' if kernels_on else 'alone (dequantized ' + args.dtype + ')'}, "
+           f"{torch.get_num_threads()} threads")
+    bench.setup_transformers(kernels_on)
+    from transformers import AutoTokenizer
+
+    _stage("loading the tokenizer")
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _stage("loading the model")
+    model, _ = bench.load_transformers_model(path, args.dtype)
+    load_s = time.perf_counter() - start
+    input_ids = _chat_or_plain_ids(tokenizer, args.prompt, args.chat)
+    _stage(f"loaded in {load_s:.1f} s; generating up to {args.max_new_tokens} tokens")
+
+    streamer = _timed_text_streamer(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
+                       do_sample=False, streamer=streamer, pad_token_id=pad)
+    times = streamer.token_times
+    n_prompt = input_ids.shape[1]
+    prefill = f"{n_prompt / (times[0] - start):.1f} tok/s" if times else "-"
+    decode = f"{(len(times) - 1) / (times[-1] - times[0]):.1f} tok/s" if len(times) > 1 else "-"
+    print(f"prompt {n_prompt} tokens | prefill {prefill} | decode {decode} ({len(times)} tokens) | "
+          f"load {load_s:.1f} s | peak RSS {bench.peak_rss_mib():.0f} MiB | kernels: {'on' if kernels_on else 'off'}",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def run_bench(args) -> int:
+    _stage(f"measuring {args.backend} on {args.gguf.name}: prefill {' '.join(map(str, args.prompt_tokens))} tokens, "
+           f"decode {args.decode_tokens} tokens, {args.repeats} repeats")
+    result = bench.run(args.gguf, args.backend, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+                       repeats=args.repeats, threads=args.threads)
+    print(json.dumps(result) if args.json else bench.format_result(result), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never wait on the network
+    bench.silence_kernel_mapping_warnings()
+    try:
+        return generate(args) if args.command == "generate" else run_bench(args)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"ggml-kernels: error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,223 @@
+"""End-to-end benchmark: whole GGUF models through transformers on our kernels, next to transformers
+alone (float32 and bfloat16) and llama.cpp, on the same files and the same token ids.
+
+Each (model, backend) pair runs in a fresh process (`python -m ggml_kernels_integration bench ...
+--json`), so that `enable()` never meets the baseline and the peak RSS is that pair's own. Writes
+bench-results/e2e.json (every measurement), e2e.md (the table below) and e2e.png (bar charts), and
+prints the table with our targets per model: decode >= 0.8x llama.cpp, >= 3x transformers float32,
+and >= 4x less peak memory than transformers float32 (reported, never asserted).
+
+    python tools/bench_e2e.py                      # prefill 64 and 512 tokens, decode 128 tokens
+    python tools/bench_e2e.py --quick              # a smoke run: prefill 16 and 64, decode 16
+    python tools/bench_e2e.py --models smollm2-135m --backends kernels llama.cpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import make_gguf  # noqa: E402
+import models  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_FILES = {  # name in the table -> the function that returns (and makes, if missing) the file
+    "qwen35-0.8b": lambda: make_gguf.ensure("qwen35-0.8b", "Q4_K_M"),
+    "qwen35moe-1.6b-a0.5b": lambda: make_gguf.ensure("qwen35moe-1.6b-a0.5b", "Q4_K_M"),
+    "smollm2-135m": models.smollm2_gguf,
+}
+BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "llama.cpp")
+BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf", "kernels": "#1f77b4",
+                  "llama.cpp": "#ff7f0e"}
+TARGET_DECODE_VS_LLAMA_CPP = 0.8
+TARGET_DECODE_VS_F32 = 3.0
+TARGET_MEMORY_F32_OVER_OURS = 4.0
+FULL = {"prompt_tokens": [64, 512], "decode_tokens": 128, "repeats": 3}
+QUICK = {"prompt_tokens": [16, 64], "decode_tokens": 16, "repeats": 1}
+RUN_TIMEOUT_S = 3600
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def measure(path: Path, backend: str, settings: dict, threads: int) -> dict:
+    """One `bench` run in a fresh interpreter; its JSON result, or {"error": ...} if it failed."""
+    command = [sys.executable, "-m", "ggml_kernels_integration", "bench", "--gguf", str(path), "--backend", backend,
+               "--prompt-tokens", *map(str, settings["prompt_tokens"]), "--decode-tokens", str(settings["decode_tokens"]),
+               "--repeats", str(settings["repeats"]), "--threads", str(threads), "--json"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"backend": backend, "model": path.name, "error": f"timed out after {RUN_TIMEOUT_S} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"backend": backend, "model": path.name, "error": (proc.stderr or proc.stdout).strip()[-2000:]}
+    return json.loads(lines[-1])
+
+
+def error_summary(result: dict) -> str:
+    """The last line of a failed run's error output."""
+    lines = result["error"].strip().splitlines()
+    return lines[-1] if lines else "failed without output"
+
+
+def _ratio(numerator, denominator) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def fmt_value(value, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def comparisons(rows: dict[str, dict]) -> dict[str, dict]:
+    """backend -> its ratios against llama.cpp and transformers float32 on the same model:
+    decode speed (higher is better) and f32's peak RSS over this backend's (higher: less memory)."""
+    f32, llama = rows.get("transformers-f32", {}), rows.get("llama.cpp", {})
+    out = {}
+    for backend, row in rows.items():
+        out[backend] = {
+            "decode_vs_llama_cpp": _ratio(row.get("decode_tok_s"), llama.get("decode_tok_s")),
+            "decode_vs_f32": _ratio(row.get("decode_tok_s"), f32.get("decode_tok_s")),
+            "memory_f32_over_this": _ratio(f32.get("peak_rss_mib"), row.get("peak_rss_mib")),
+        }
+    return out
+
+
+def target_lines(model: str, ratios: dict) -> list[str]:
+    """PASS / MISS of our (the `kernels` backend's) three targets on one model."""
+    ours = ratios.get("kernels")
+    if ours is None:
+        return []
+    checks = [
+        ("decode vs llama.cpp", ours["decode_vs_llama_cpp"], TARGET_DECODE_VS_LLAMA_CPP),
+        ("decode vs transformers f32", ours["decode_vs_f32"], TARGET_DECODE_VS_F32),
+        ("peak memory f32 / ours", ours["memory_f32_over_this"], TARGET_MEMORY_F32_OVER_OURS),
+    ]
+    parts = []
+    for label, value, target in checks:
+        verdict = "n/a" if value is None else ("PASS" if value >= target else "MISS")
+        parts.append(f"{label} {fmt_value(value, '.2f', 'x')} (>= {target:g}x) {verdict}")
+    return [f"- {model}: " + "; ".join(parts)]
+
+
+def markdown(results: list[dict], settings: dict, threads: int) -> str:
+    prompts = settings["prompt_tokens"]
+    header = (["model", "backend"] + [f"prefill {n} tok/s" for n in prompts]
+              + [f"decode {settings['decode_tokens']} tok/s", "peak RSS MiB", "weights MiB", "load s",
+                 "decode vs llama.cpp", "decode vs f32", "memory f32/this"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    targets = []
+    for model in dict.fromkeys(r["model_name"] for r in results):
+        rows = {r["backend"]: r for r in results if r["model_name"] == model}
+        ratios = comparisons({b: r for b, r in rows.items() if "error" not in r})
+        for backend, row in rows.items():
+            if "error" in row:
+                lines.append(f"| {model} | {backend} | failed: {error_summary(row)[:120]} |")
+                continue
+            ratio = ratios[backend]
+            cells = ([model, backend] + [fmt_value(row["prefill_tok_s"].get(str(n))) for n in prompts]
+                     + [fmt_value(row["decode_tok_s"]), fmt_value(row["peak_rss_mib"], ".0f"), fmt_value(row["weights_mib"], ".0f"),
+                        fmt_value(row["load_s"], ".2f"), fmt_value(ratio["decode_vs_llama_cpp"], ".2f", "x"),
+                        fmt_value(ratio["decode_vs_f32"], ".2f", "x"), fmt_value(ratio["memory_f32_over_this"], ".1f", "x")])
+            lines.append("| " + " | ".join(cells) + " |")
+        targets += target_lines(model, ratios)
+    notes = [f"{threads} threads, median of {settings['repeats']}; decode after a {min(prompts)}-token prompt; "
+             "same token ids for every backend; one process per cell"]
+    floors = [r["rss_at_start_mib"] for r in results if "error" not in r]
+    if floors:
+        low, high = f"{min(floors):.0f}", f"{max(floors):.0f}"
+        notes.append(f"peak RSS includes each process's {low if low == high else low + '-' + high} MiB before "
+                     "loading (Python and the libraries the CLI imports)")
+    return "\n".join(lines + [""] + notes + ["", "Targets for `kernels`:"] + targets) + "\n"
+
+
+def chart(results: list[dict], settings: dict, path: Path) -> None:
+    """Grouped bars per model: decode tok/s, prefill tok/s at the longest prompt, peak RSS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    longest = str(max(settings["prompt_tokens"]))
+    panels = [
+        (f"decode {settings['decode_tokens']} tokens (tok/s, higher is better)", lambda r: r["decode_tok_s"]),
+        (f"prefill {longest} tokens (tok/s, higher is better)", lambda r: r["prefill_tok_s"].get(longest)),
+        ("peak RSS (MiB, lower is better)", lambda r: r["peak_rss_mib"]),
+    ]
+    ok = [r for r in results if "error" not in r]
+    model_names = list(dict.fromkeys(r["model_name"] for r in results))
+    backends = [b for b in BACKENDS if any(r["backend"] == b for r in ok)]
+    width = 0.8 / max(1, len(backends))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5))
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for i, backend in enumerate(backends):
+            xs, heights = [], []
+            for m, model in enumerate(model_names):
+                row = next((r for r in ok if r["model_name"] == model and r["backend"] == backend), None)
+                if row is not None and value(row) is not None:
+                    xs.append(m + (i - (len(backends) - 1) / 2) * width)
+                    heights.append(value(row))
+            ax.bar(xs, heights, width, label=backend, color=BACKEND_COLORS.get(backend))
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(range(len(model_names)), model_names, fontsize=8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short smoke run: prefill 16/64, decode 16, 1 repeat")
+    ap.add_argument("--models", nargs="+", choices=list(MODEL_FILES), default=list(MODEL_FILES))
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for every backend (default: torch's)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results", help="output folder (default: %(default)s)")
+    args = ap.parse_args()
+
+    from ggml_kernels_integration import bench
+
+    threads = args.threads or bench.default_threads()
+    settings = QUICK if args.quick else FULL
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    cells = [(model, backend) for model in args.models for backend in args.backends]
+    for i, (model, backend) in enumerate(cells, 1):
+        path = MODEL_FILES[model]()
+        _log(f"[{i}/{len(cells)}] {model} on {backend} ...")
+        start = time.perf_counter()
+        result = measure(path, backend, settings, threads)
+        result["model_name"] = model
+        status = "FAILED: " + error_summary(result) if "error" in result else f"decode {result['decode_tok_s']:.1f} tok/s"
+        _log(f"    {status} ({time.perf_counter() - start:.0f} s)")
+        results.append(result)
+
+    table = markdown(results, settings, threads)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": _cpu_name(), "threads": threads,
+            "settings": settings}
+    (args.out / "e2e.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    (args.out / "e2e.md").write_text("# End-to-end benchmark (tools/bench_e2e.py)\n\n" + table)
+    chart(results, settings, args.out / "e2e.png")
+    print(table)
+    _log(f"wrote {args.out / 'e2e.json'}, {args.out / 'e2e.md'}, {args.out / 'e2e.png'}")
+
+
+if __name__ == "__main__":
+    main()
