@@ -128,12 +128,17 @@ void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                       const at::Tensor& v, const at::Tensor& g,
-                                                       const at::Tensor& beta,
-                                                       const std::optional<at::Tensor>& state,
-                                                       bool l2_normalize_qk,
-                                                       std::optional<double> scale) {
+namespace {
+
+// Both entry points. in_place: the final state overwrites `state` (which must be in ggml's layout,
+// see below) instead of going to a new tensor, saving a state-sized write and the caller's copy
+// into its cache (decode reads and writes the whole 1 MiB state of a Qwen3.5-0.8B layer per token).
+std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& g,
+                                                        const at::Tensor& beta,
+                                                        const std::optional<at::Tensor>& state,
+                                                        bool l2_normalize_qk, std::optional<double> scale,
+                                                        bool in_place) {
   check_float(q, "q");
   check_float(k, "k");
   check_float(v, "v");
@@ -171,14 +176,20 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, cons
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   TORCH_CHECK_VALUE(std::isfinite(s), "scale must be finite, got ", s);
 
+  if (in_place) {
+    TORCH_CHECK_VALUE(has_state && state->transpose(2, 3).is_contiguous(),
+                      "gated_delta_net_ updates the state in place, so it must be in ggml's layout: a state "
+                      "gated_delta_net returned (or a zeros_like of one), i.e. state.transpose(-1, -2) "
+                      "contiguous; got strides ", state->strides());
+  }
   auto out = at::empty({B, T, Hv, D}, q.options());
   // The final state is returned in ggml's memory layout: a (B, Hv, Dk, Dv) tensor over
   // (B, Hv, Dv, Dk) memory. Passed back in as `state` it needs no transposition.
-  auto new_state_ggml = at::empty({B, Hv, D, D}, q.options().dtype(at::kFloat));
+  auto new_state_ggml = in_place ? state->transpose(2, 3) : at::empty({B, Hv, D, D}, q.options().dtype(at::kFloat));
   auto new_state = new_state_ggml.transpose(2, 3);
   if (B == 0 || Hv == 0) return {out, new_state};
   if (T == 0) {
-    has_state ? new_state.copy_(*state) : new_state.zero_();
+    if (!in_place) has_state ? new_state.copy_(*state) : new_state.zero_();
     return {out, new_state};
   }
 
@@ -236,6 +247,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, cons
     const at::Tensor dst = t_dst.tensor(hs * (T + D) * D).view({hs * (T + D), D});
     gr.compute(y, dst);
     out.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
+    // in place: these heads' input state (s0) was read by the graph above and is not read again
     std::memcpy(new_state_mem + (b * Hv + h0) * D * D, dst.data_ptr<float>() + hs * T * D,
                 static_cast<size_t>(hs * D * D) * sizeof(float));
   };
@@ -252,6 +264,23 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, cons
     }
   });
   return {out, new_state};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, const at::Tensor& g,
+                                                       const at::Tensor& beta,
+                                                       const std::optional<at::Tensor>& state,
+                                                       bool l2_normalize_qk,
+                                                       std::optional<double> scale) {
+  return gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, false);
+}
+
+at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                       bool l2_normalize_qk, std::optional<double> scale) {
+  return std::get<0>(gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, true));
 }
 
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,

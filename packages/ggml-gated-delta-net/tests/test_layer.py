@@ -115,10 +115,12 @@ def test_prefill_then_decode_matches_transformers(gdn, name):
             x = torch.randn(2, 1, config.hidden_size)
             if step == 0:
                 ops = our_ops(op_counts(lambda: ours(x, cache_params=copy.deepcopy(our_cache))), gdn)
-                assert ops == Counter(causal_conv1d=1, gates=1, gated_delta_net=1, gated_rms_norm=1), ops
-            conv_before = states(our_cache, 1)[0]
+                # decode updates the cached recurrent state in place (gated_delta_net_)
+                assert ops == Counter(causal_conv1d=1, gates=1, gated_delta_net_=1, gated_rms_norm=1), ops
+            conv_before, state_before = states(our_cache, 1)
             y_ref, y = ref(x, cache_params=ref_cache), ours(x, cache_params=our_cache)
-            assert states(our_cache, 1)[0] is conv_before  # updated in place, as transformers does
+            # updated in place, as transformers does (its update_recurrent_state copies into the cache)
+            assert states(our_cache, 1)[0] is conv_before and states(our_cache, 1)[1] is state_before
             assert_close_scaled(y, y_ref, LAYER_TOL)
         for a, b in zip(states(our_cache, 1), states(ref_cache, 1)):
             assert_close_scaled(a, b, LAYER_TOL)
@@ -217,7 +219,8 @@ def test_whole_model_generate(gdn):
         counts = op_counts(lambda: ours.generate(prompt, **kwargs))
         ours_out = ours.generate(prompt, **kwargs)
         ref_out = ref.generate(prompt, **kwargs)
-    assert our_ops(counts, gdn)["gated_delta_net"] == 8  # one prefill + 7 decode steps
+    ops = our_ops(counts, gdn)
+    assert (ops["gated_delta_net"], ops["gated_delta_net_"]) == (1, 7)  # one prefill, 7 decode steps in place
     assert torch.equal(ours_out.sequences, ref_out.sequences)
     for a, b in zip(ours_out.logits, ref_out.logits):
         assert_close_scaled(a, b, 1e-4)

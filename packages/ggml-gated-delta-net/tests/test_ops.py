@@ -132,6 +132,27 @@ def test_gated_delta_net_state_layouts(gdn):
     assert torch.zeros_like(s1).stride() == s1.stride()
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_gated_delta_net_in_place(gdn, t):
+    """gated_delta_net_ writes exactly gated_delta_net's final state over its state argument (same
+    tensor, same strides) and returns the same output, bit for bit."""
+    q, k, v, g, beta, state = make_gdn_inputs(2, t, 2, 4, 64, torch.float32, True, True)
+    out, new_state = gdn.gated_delta_net(q, k, v, g, beta, state, l2_normalize_qk=True)
+    cache = torch.zeros_like(new_state).copy_(state)  # as transformers' cache holds it: ggml's layout
+    ptr, strides = cache.data_ptr(), cache.stride()
+    out2 = gdn.gated_delta_net_(q, k, v, g, beta, cache, l2_normalize_qk=True)
+    assert torch.equal(out2, out) and torch.equal(cache, new_state)
+    assert cache.data_ptr() == ptr and cache.stride() == strides
+
+
+def test_gated_delta_net_in_place_needs_ggml_layout(gdn):
+    q, k, v, g, beta, state = make_gdn_inputs(1, 1, 2, 2, 32, torch.float32, True, True)
+    before = state.clone()
+    with pytest.raises(ValueError, match="in ggml's layout"):
+        gdn.gated_delta_net_(q, k, v, g, beta, state, l2_normalize_qk=True)
+    assert torch.equal(state, before)  # refused before touching it
+
+
 def test_gated_delta_net_prefill_then_decode_equals_one_pass(gdn):
     """Splitting a sequence and carrying the state gives the one-pass result."""
     q, k, v, g, beta, state = make_gdn_inputs(1, 20, 2, 4, 64, torch.float32, True, True)

@@ -9,6 +9,10 @@ GGML_KERNELS_LIBRARY(m) {
   // final state (B, Hv, D, D) float32). Value head h reads key head h // (Hv / Hk).
   m.def("gated_delta_net(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? state, "
         "bool l2_normalize_qk, float? scale) -> (Tensor, Tensor)");
+  // The same, with the final state written over `state` (ggml's layout: a state gated_delta_net
+  // returned, or a zeros_like of one) -> output. Decode with a cache: no new state, no copy back.
+  m.def("gated_delta_net_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
+        "bool l2_normalize_qk, float? scale) -> Tensor");
   // Short causal depthwise conv with a rolling state: x (B, C, T), weight (C, 1, K) or (C, K),
   // state (B, C, W >= K - 1) or None -> (y (B, C, T) in x's dtype, new state (B, C, W or K)).
   m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? state, Tensor? bias, str? activation) "
@@ -23,6 +27,7 @@ GGML_KERNELS_LIBRARY(m) {
 
 GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
   m.impl("gated_delta_net", &gated_delta_net_cpu);
+  m.impl("gated_delta_net_", &gated_delta_net_inplace_cpu);
   m.impl("causal_conv1d", &causal_conv1d_cpu);
   m.impl("l2_norm", &l2_norm_cpu);
   m.impl("gates", &gates_cpu);

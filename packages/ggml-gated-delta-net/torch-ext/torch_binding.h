@@ -13,6 +13,9 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, cons
                                                        const std::optional<at::Tensor>& state,
                                                        bool l2_normalize_qk,
                                                        std::optional<double> scale);
+at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                       bool l2_normalize_qk, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
                                                      const std::optional<at::Tensor>& state,
                                                      const std::optional<at::Tensor>& bias,

@@ -93,6 +93,40 @@ bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
 }
 
+// Types ggml's mul_mat hands to llamafile's sgemm (tinyBLAS) on x86 instead of its row dot products:
+// their results depend on tinyBLAS's own summation order, so they always go through a ggml graph.
+bool sgemm_type(ggml_type t) {
+  return is_float_type(t) || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q5_0 ||
+         t == GGML_TYPE_IQ4_NL;
+}
+
+// Rows of activations up to which mul_mat calls ggml-cpu's dot product per (weight row, activation
+// row) itself (decode; transformers' mat-vec path is M <= 8). ggml's mul_mat computes exactly these
+// dot products for these types (one row at a time on x86: type traits nrows == 1), so the results
+// are bit-identical, minus the cost of building and planning a graph per slice, which for a decode
+// step's small matrices is a good part of the op.
+constexpr int64_t kDirectDotRows = 8;
+
+// out (m, out_features) = x (m, K) @ W.T with ggml-cpu's vec_dot on the quantized activations xq.
+void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
+                        at::Tensor& out) {
+  const auto vec_dot = ggml().ggml_get_type_traits_cpu(type)->vec_dot;
+  const auto* w = static_cast<const uint8_t*>(blocks.data_ptr());
+  const auto* xp = static_cast<const uint8_t*>(xq.data_ptr());
+  float* o = out.data_ptr<float>();
+  const int64_t w_stride = blocks.stride(0), x_stride = xq.stride(0), m = xq.size(0);
+  const int64_t n = out.size(1);
+  // ~64 KiB of weights per chunk: no graph to amortize, so chunks can be small for load balance
+  const int64_t min_rows = std::max<int64_t>(16, (int64_t{1} << 16) / blocks.size(1));
+  parallel_chunks(n, min_rows, 16, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t i = n0; i < n1; ++i) {
+      for (int64_t r = 0; r < m; ++r) {
+        vec_dot(static_cast<int>(k), o + r * n + i, 0, w + i * w_stride, 0, xp + r * x_stride, 0, 1);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
@@ -112,7 +146,12 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
-  const ggml_type vdt = ggml().ggml_get_type_traits_cpu(type)->vec_dot_type;
+  const auto* traits = ggml().ggml_get_type_traits_cpu(type);
+  if (m <= kDirectDotRows && xq.defined() && traits->nrows == 1 && !sgemm_type(type)) {
+    direct_dot_mul_mat(blocks, type, k, xq, out);
+    return out;
+  }
+  const ggml_type vdt = traits->vec_dot_type;
   parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, 4, [&](int64_t n0, int64_t n1) {
     Graph g(8);
     ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);

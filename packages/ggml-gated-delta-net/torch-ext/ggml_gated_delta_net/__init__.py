@@ -13,6 +13,9 @@ Shapes follow transformers (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`):
   is in ggml's memory layout, a transposed view (`state.transpose(-1, -2).is_contiguous()`):
   handed back as `state` (directly, or through transformers' cache, whose `zeros_like` keeps the
   strides) it is used without a copy; a contiguous state is transposed on the way in.
+- `gated_delta_net_(q, k, v, g, beta, state, *, l2_normalize_qk=False, scale=None)`: the same with
+  the final state written over `state` (which must be in ggml's layout, as above), returning only
+  the output: a decode step with a cache neither allocates a new state nor copies one back.
 - `causal_conv1d(x, weight, state=None, activation="silu", *, bias=None)`: x `(B, C, T)`, weight
   `(C, 1, K)` or `(C, K)`, state `(B, C, W)` with W >= K - 1 (transformers' cache keeps W = K) ->
   `(y (B, C, T) in x's dtype, new state (B, C, W))`, y[t] = act(sum_j w[j] * [state | x][t + j]).
@@ -41,6 +44,7 @@ __all__ = [
     "L2_EPS",
     "causal_conv1d",
     "gated_delta_net",
+    "gated_delta_net_",
     "gated_rms_norm",
     "gates",
     "info",
@@ -70,6 +74,22 @@ def gated_delta_net(
     """The gated delta rule over a sequence (prefill, T > 1) or one token (decode, T = 1), with
     ggml's GATED_DELTA_NET. Returns `(output, final_state)`; see the module docstring."""
     return ops.gated_delta_net(q, k, v, g, beta, state, bool(l2_normalize_qk), None if scale is None else float(scale))
+
+
+def gated_delta_net_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    l2_normalize_qk: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`gated_delta_net` updating `state` in place (ggml's layout: `state.transpose(-1, -2)`
+    contiguous, as the states `gated_delta_net` returns are). Returns the output."""
+    return ops.gated_delta_net_(q, k, v, g, beta, state, bool(l2_normalize_qk), None if scale is None else float(scale))
 
 
 def causal_conv1d(
@@ -114,6 +134,12 @@ def _gated_delta_net_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
     b, t, hv, dv = v.shape
     state_out = q.new_empty((b, hv, dv, q.shape[3]), dtype=torch.float32).transpose(2, 3)  # ggml's layout
     return q.new_empty((b, t, hv, dv)), state_out
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_delta_net_"))
+def _gated_delta_net_inplace_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
+    same_device("gated_delta_net_", q=q, k=k, v=v, g=g, beta=beta, state=state)
+    return q.new_empty(v.shape)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("causal_conv1d"))

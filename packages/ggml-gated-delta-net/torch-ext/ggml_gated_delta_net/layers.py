@@ -102,9 +102,18 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, atten
     value = value.reshape(batch_size, seq_len, -1, module.head_v_dim)
 
     g, beta = ops.gates(module.A_log, a, module.dt_bias, b)
-    core_attn_out, last_recurrent_state = ops.gated_delta_net(query, key, value, g, beta, recurrent_state, True, None)
-    if cache_params is not None:
-        cache_params.update_recurrent_state(last_recurrent_state, idx)
+    if (
+        recurrent_state is not None
+        and recurrent_state.transpose(-1, -2).is_contiguous()
+        and not cache_params.is_recording_past(idx)
+    ):
+        # the cache holds a state in ggml's layout (its zeros_like of one this op returned): updated
+        # in place, which is all transformers' update_recurrent_state (a copy_) would do
+        core_attn_out = ops.gated_delta_net_(query, key, value, g, beta, recurrent_state, True, None)
+    else:
+        core_attn_out, last_recurrent_state = ops.gated_delta_net(query, key, value, g, beta, recurrent_state, True, None)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(last_recurrent_state, idx)
 
     norm = module.norm
     core_attn_out = ops.gated_rms_norm(
