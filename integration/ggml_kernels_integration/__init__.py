@@ -102,6 +102,10 @@ def enable() -> None:
     # Architectures transformers still sends to its dequantizing loader (llama: SmolLM2, ...).
     archs.register()
 
+    # transformers copies each tensor out of the memory-mapped file, and the mapped pages it read
+    # stay resident until the whole load ends: the peak was the file twice. Drop them as it goes.
+    _release_mapped_pages_after_each_tensor()
+
     # A damaged or unsupported file fails on its first header read (the config's), in one clear
     # sentence, before a model is built (see `validate`).
     _check_files_before_transformers_reads_them()
@@ -123,6 +127,7 @@ def enable() -> None:
         return quant.mul_mat(self.weight, flat, self.ggml_type, self.out_features).to(flat.dtype)
 
     gguf_utils.GgufLinear._unpack_matmul = unpack_matmul
+
     _state.update(enabled=True, quant=quant)
 
 
@@ -145,3 +150,26 @@ def _check_files_before_transformers_reads_them() -> None:
     reader.read_gguf_metadata = read_gguf_metadata
     gguf_package.read_gguf_metadata = read_gguf_metadata  # config / tokenizer import it from here
     quantizer_gguf.read_gguf_metadata = read_gguf_metadata
+
+
+def _release_mapped_pages_after_each_tensor() -> None:
+    import ctypes
+    import mmap
+
+    from transformers.integrations.gguf import reader
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    original = reader.LazyGgufTensor.__getitem__
+
+    def getitem(self, key):
+        tensor = original(self, key)  # a copy: the mapping is not referenced any more
+        start = self.data.ctypes.data
+        first, end = start // page * page, start + self.data.nbytes
+        # the mapping is read-only and file-backed: dropped pages are read again from the file if
+        # anything touches them (a page shared with the next tensor, say)
+        libc.madvise(first, end - first, mmap.MADV_DONTNEED)
+        return tensor
+
+    reader.LazyGgufTensor.__getitem__ = getitem
