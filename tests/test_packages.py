@@ -31,7 +31,7 @@ print("RESULT" + json.dumps({{"missing": missing, "all": sorted(k.__all__)}}))
     env = dict(os.environ, LOCAL_KERNELS=local_kernels_env(), HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[6:])
+    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
     assert res["all"] and res["missing"] == []
 
 
