@@ -96,8 +96,18 @@ def comparisons(rows: dict[str, dict]) -> dict[str, dict]:
             "decode_vs_llama_cpp": _ratio(row.get("decode_tok_s"), llama.get("decode_tok_s")),
             "decode_vs_f32": _ratio(row.get("decode_tok_s"), f32.get("decode_tok_s")),
             "memory_f32_over_this": _ratio(f32.get("peak_rss_mib"), row.get("peak_rss_mib")),
+            # the same above each process's own start (Python + imports, ~330 MiB in every cell): what
+            # loading and running the model added
+            "model_memory_f32_over_this": _ratio(_model_mib(f32), _model_mib(row)),
         }
     return out
+
+
+def _model_mib(row: dict) -> float | None:
+    """Peak RSS above the process's RSS before loading: the model's own memory."""
+    if row.get("peak_rss_mib") is None or row.get("rss_at_start_mib") is None:
+        return None
+    return row["peak_rss_mib"] - row["rss_at_start_mib"]
 
 
 def target_lines(model: str, ratios: dict) -> list[str]:
@@ -109,6 +119,7 @@ def target_lines(model: str, ratios: dict) -> list[str]:
         ("decode vs llama.cpp", ours["decode_vs_llama_cpp"], TARGET_DECODE_VS_LLAMA_CPP),
         ("decode vs transformers f32", ours["decode_vs_f32"], TARGET_DECODE_VS_F32),
         ("peak memory f32 / ours", ours["memory_f32_over_this"], TARGET_MEMORY_F32_OVER_OURS),
+        ("model memory (above the imports) f32 / ours", ours["model_memory_f32_over_this"], TARGET_MEMORY_F32_OVER_OURS),
     ]
     parts = []
     for label, value, target in checks:
@@ -121,7 +132,7 @@ def markdown(results: list[dict], settings: dict, threads: int) -> str:
     prompts = settings["prompt_tokens"]
     header = (["model", "backend"] + [f"prefill {n} tok/s" for n in prompts]
               + [f"decode {settings['decode_tokens']} tok/s", "peak RSS MiB", "weights MiB", "load s",
-                 "decode vs llama.cpp", "decode vs f32", "memory f32/this"])
+                 "decode vs llama.cpp", "decode vs f32", "memory f32/this", "model memory f32/this"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     targets = []
     for model in dict.fromkeys(r["model_name"] for r in results):
@@ -135,7 +146,8 @@ def markdown(results: list[dict], settings: dict, threads: int) -> str:
             cells = ([model, backend] + [fmt_value(row["prefill_tok_s"].get(str(n))) for n in prompts]
                      + [fmt_value(row["decode_tok_s"]), fmt_value(row["peak_rss_mib"], ".0f"), fmt_value(row["weights_mib"], ".0f"),
                         fmt_value(row["load_s"], ".2f"), fmt_value(ratio["decode_vs_llama_cpp"], ".2f", "x"),
-                        fmt_value(ratio["decode_vs_f32"], ".2f", "x"), fmt_value(ratio["memory_f32_over_this"], ".1f", "x")])
+                        fmt_value(ratio["decode_vs_f32"], ".2f", "x"), fmt_value(ratio["memory_f32_over_this"], ".1f", "x"),
+                        fmt_value(ratio["model_memory_f32_over_this"], ".1f", "x")])
             lines.append("| " + " | ".join(cells) + " |")
         targets += target_lines(model, ratios)
     notes = [f"{threads} threads, median of {settings['repeats']}; decode after a {min(prompts)}-token prompt; "
@@ -190,7 +202,13 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for every backend (default: torch's)")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results", help="output folder (default: %(default)s)")
+    ap.add_argument("--report", type=Path, default=None, metavar="E2E_JSON",
+                    help="measure nothing: rewrite the table and chart from an earlier run's e2e.json")
     args = ap.parse_args()
+    if args.report is not None:
+        saved = json.loads(args.report.read_text())
+        write_outputs(saved["results"], saved["meta"]["settings"], saved["meta"]["threads"], args.out, saved["meta"])
+        return
 
     from ggml_kernels_integration import bench
 
@@ -209,14 +227,20 @@ def main() -> None:
         _log(f"    {status} ({time.perf_counter() - start:.0f} s)")
         results.append(result)
 
-    table = markdown(results, settings, threads)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": _cpu_name(), "threads": threads,
             "settings": settings}
-    (args.out / "e2e.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    (args.out / "e2e.md").write_text("# End-to-end benchmark (tools/bench_e2e.py)\n\n" + table)
-    chart(results, settings, args.out / "e2e.png")
+    write_outputs(results, settings, threads, args.out, meta)
+
+
+def write_outputs(results: list[dict], settings: dict, threads: int, out: Path, meta: dict) -> None:
+    """e2e.json, e2e.md and e2e.png in `out`; prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(results, settings, threads)
+    (out / "e2e.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    (out / "e2e.md").write_text(f"# End-to-end benchmark (tools/bench_e2e.py), {meta['date']}, {meta['cpu']}\n\n" + table)
+    chart(results, settings, out / "e2e.png")
     print(table)
-    _log(f"wrote {args.out / 'e2e.json'}, {args.out / 'e2e.md'}, {args.out / 'e2e.png'}")
+    _log(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}, {out / 'e2e.png'}")
 
 
 if __name__ == "__main__":
