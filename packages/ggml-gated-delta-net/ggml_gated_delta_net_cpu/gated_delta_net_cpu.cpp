@@ -107,13 +107,14 @@ class Scratch {
 thread_local Scratch t_dst, t_state, t_conv, t_conv_out;
 
 // src (B, cs, n), any strides and float dtype -> dst[(b * cs + c) * ld + off + t] as float32.
-void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off) {
+void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off, int64_t batch_stride = -1) {
   const int64_t B = src.size(0), cs = src.size(1), n = src.size(2);
+  if (batch_stride < 0) batch_stride = cs * ld;
   const int64_t sb = src.stride(0), sc = src.stride(1), st = src.stride(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "gather_rows", [&] {
     const scalar_t* p = src.data_ptr<scalar_t>();
     for (int64_t b = 0; b < B; ++b) {
-      float* d = dst + b * cs * ld + off;
+      float* d = dst + b * batch_stride + off;
       const scalar_t* q = p + b * sb;
       if (sc == 1 && st != 1) {  // channels dense (x as the layer passes it): read rows of channels
         for (int64_t t = 0; t < n; ++t)
@@ -283,10 +284,17 @@ at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k,
   return std::get<0>(gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, true));
 }
 
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                                     const std::optional<at::Tensor>& state,
-                                                     const std::optional<at::Tensor>& bias,
-                                                     std::optional<c10::string_view> activation) {
+namespace {
+
+// Both entry points. in_place: the new rolling state overwrites `state`. When the conv's whole
+// input, [last K - 1 state columns | x], is exactly the new state (W == K - 1 + T: a decode step
+// on transformers' K-wide cache), the state is rolled in place first and the conv reads it as it
+// is: no gathering, no new state tensor, no copy back into the cache.
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>& state,
+                                                      const std::optional<at::Tensor>& bias,
+                                                      std::optional<c10::string_view> activation,
+                                                      bool in_place) {
   check_float(x, "x");
   check_dim(x, 3, "x (batch, channels, tokens)");
   check_float(weight, "weight");
@@ -319,6 +327,13 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
                       ",), got ", bias->sizes());
   }
   const int64_t W = has_state ? state->size(2) : K;
+  if (in_place) {
+    TORCH_CHECK_VALUE(has_state, "causal_conv1d_ updates a state in place: state must not be None");
+    TORCH_CHECK_TYPE(state->scalar_type() == at::kFloat || state->scalar_type() == x.scalar_type(),
+                     "state must be float32 or x's dtype (", x.scalar_type(), "), got ", state->scalar_type());
+  }
+  const bool rolled = in_place && W == K - 1 + T && T > 0 && state->scalar_type() == at::kFloat &&
+                      state->is_contiguous();
 
   const at::Tensor w = weight.reshape({C, K}).to(at::kFloat).contiguous();
   const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -342,13 +357,26 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
       const at::Tensor conv = out_f32 ? out.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
       for (int64_t cb = c0; cb < c1; cb += block) {
         const int64_t cs = std::min(block, c1 - cb);
-        const at::Tensor sx = t_conv.tensor(B * cs * L).view({B, cs, L});
-        float* sxp = sx.data_ptr<float>();
-        if (K > 1) {
-          if (has_state) gather_rows(state->narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L, 0);
-          else sx.narrow(2, 0, K - 1).zero_();
+        at::Tensor sx;
+        if (rolled) {  // the new state [state[T:] | x] is the conv's input: roll it, read it in place
+          float* sp = state->data_ptr<float>();
+          for (int64_t b = 0; b < B; ++b) {
+            for (int64_t c = cb; c < cb + cs; ++c) {
+              float* row = sp + (b * C + c) * W;
+              std::memmove(row, row + T, static_cast<size_t>(W - T) * sizeof(float));
+            }
+          }
+          gather_rows(x.narrow(1, cb, cs), sp + cb * W, W, W - T, C * W);
+          sx = state->narrow(1, cb, cs);
+        } else {
+          sx = t_conv.tensor(B * cs * L).view({B, cs, L});
+          float* sxp = sx.data_ptr<float>();
+          if (K > 1) {
+            if (has_state) gather_rows(state->narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L, 0);
+            else sx.narrow(2, 0, K - 1).zero_();
+          }
+          gather_rows(x.narrow(1, cb, cs), sxp, L, K - 1);
         }
-        gather_rows(x.narrow(1, cb, cs), sxp, L, K - 1);
         Graph gr(8);
         ggml_tensor* y = G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w.narrow(0, cb, cs)));  // {cs, T, B}
         gr.compute(y, conv.narrow(2, cb - c0, cs));
@@ -362,6 +390,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
     });
   }
 
+  if (rolled) return {out.transpose(1, 2), *state};
   // The new rolling state: the last W columns of [state | x] (zeros before the first input).
   at::Tensor new_state = at::empty({B, C, W}, x.options().dtype(has_state ? state->scalar_type() : x.scalar_type()));
   if (T >= W) {
@@ -371,7 +400,26 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
     else new_state.narrow(2, 0, W - T).zero_();
     if (T > 0) new_state.narrow(2, W - T, T).copy_(x);
   }
+  if (in_place) {
+    state->copy_(new_state);
+    return {out.transpose(1, 2), *state};
+  }
   return {out.transpose(1, 2), new_state};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                     const std::optional<at::Tensor>& state,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     std::optional<c10::string_view> activation) {
+  return causal_conv1d_impl(x, weight, state, bias, activation, false);
+}
+
+at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
+                                     const std::optional<at::Tensor>& bias,
+                                     std::optional<c10::string_view> activation) {
+  return std::get<0>(causal_conv1d_impl(x, weight, state, bias, activation, true));
 }
 
 at::Tensor l2_norm_cpu(const at::Tensor& x, double eps) {

@@ -115,8 +115,8 @@ def test_prefill_then_decode_matches_transformers(gdn, name):
             x = torch.randn(2, 1, config.hidden_size)
             if step == 0:
                 ops = our_ops(op_counts(lambda: ours(x, cache_params=copy.deepcopy(our_cache))), gdn)
-                # decode updates the cached recurrent state in place (gated_delta_net_)
-                assert ops == Counter(causal_conv1d=1, gates=1, gated_delta_net_=1, gated_rms_norm=1), ops
+                # decode updates the cached conv and recurrent states in place
+                assert ops == Counter(causal_conv1d_=1, gates=1, gated_delta_net_=1, gated_rms_norm=1), ops
             conv_before, state_before = states(our_cache, 1)
             y_ref, y = ref(x, cache_params=ref_cache), ours(x, cache_params=our_cache)
             # updated in place, as transformers does (its update_recurrent_state copies into the cache)

@@ -260,6 +260,31 @@ def test_causal_conv1d_many_channels(gdn, dtype):
     assert torch.equal(new_state, ref_state.to(dtype))
 
 
+
+@pytest.mark.parametrize("t,state_width", [(1, 4), (1, 6), (3, 4), (3, 6), (5, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_in_place(gdn, t, state_width, dtype):
+    """causal_conv1d_ returns causal_conv1d's y and leaves its new state in the caller's tensor
+    (same storage, same strides): rolled and convolved in place for a decode step on a K-wide
+    float32 state, computed and copied back otherwise."""
+    gen = torch.Generator().manual_seed(t * 7 + state_width)
+    c, k = 40, 4
+    x = torch.randn(2, t, c, generator=gen).to(dtype).transpose(1, 2)  # the layer's transposed view
+    weight, bias = torch.randn(c, 1, k, generator=gen), torch.randn(c, generator=gen)
+    state = torch.randn(2, c, state_width, generator=gen)
+    y, new_state = gdn.causal_conv1d(x, weight, state, "silu", bias=bias)
+    cache = state.clone()
+    ptr = cache.data_ptr()
+    y2 = gdn.causal_conv1d_(x, weight, cache, "silu", bias=bias)
+    assert torch.equal(y2, y) and torch.equal(cache, new_state) and cache.data_ptr() == ptr
+
+
+def test_causal_conv1d_in_place_needs_a_state(gdn):
+    x, weight = torch.randn(1, 8, 1), torch.randn(8, 4)
+    with pytest.raises(ValueError, match="state must not be None"):
+        gdn.ops.causal_conv1d_(x, weight, None, None, "silu")
+
+
 @pytest.mark.parametrize("t", [1, 2, 9])
 def test_causal_conv1d_matches_transformers_functions(gdn, t):
     """causal_conv1d_fn (no state) and causal_conv1d_update (state (B, C, K), updated in place)."""

@@ -17,6 +17,9 @@ GGML_KERNELS_LIBRARY(m) {
   // state (B, C, W >= K - 1) or None -> (y (B, C, T) in x's dtype, new state (B, C, W or K)).
   m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? state, Tensor? bias, str? activation) "
         "-> (Tensor, Tensor)");
+  // The same, with the new rolling state written over `state` -> y. Decode with a cache: the
+  // state is rolled in place and the conv reads it there.
+  m.def("causal_conv1d_(Tensor x, Tensor weight, Tensor(a!) state, Tensor? bias, str? activation) -> Tensor");
   // x * rsqrt(sum(x^2) + eps) over the last dim, as Qwen3.5 (and FLA) normalise q and k.
   m.def("l2_norm(Tensor x, float eps) -> Tensor");
   // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); float32.
@@ -29,6 +32,7 @@ GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
   m.impl("gated_delta_net", &gated_delta_net_cpu);
   m.impl("gated_delta_net_", &gated_delta_net_inplace_cpu);
   m.impl("causal_conv1d", &causal_conv1d_cpu);
+  m.impl("causal_conv1d_", &causal_conv1d_inplace_cpu);
   m.impl("l2_norm", &l2_norm_cpu);
   m.impl("gates", &gates_cpu);
   m.impl("gated_rms_norm", &gated_rms_norm_cpu);

@@ -20,6 +20,9 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
                                                      const std::optional<at::Tensor>& state,
                                                      const std::optional<at::Tensor>& bias,
                                                      std::optional<c10::string_view> activation);
+at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
+                                     const std::optional<at::Tensor>& bias,
+                                     std::optional<c10::string_view> activation);
 at::Tensor l2_norm_cpu(const at::Tensor& x, double eps);
 std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::Tensor& a,
                                              const at::Tensor& dt_bias, const at::Tensor& b);

@@ -20,6 +20,9 @@ Shapes follow transformers (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`):
   `(C, 1, K)` or `(C, K)`, state `(B, C, W)` with W >= K - 1 (transformers' cache keeps W = K) ->
   `(y (B, C, T) in x's dtype, new state (B, C, W))`, y[t] = act(sum_j w[j] * [state | x][t + j]).
   The new state is the last W columns of `[state | x]` (W = K when state is None).
+- `causal_conv1d_(x, weight, state, activation="silu", *, bias=None)`: the same with the new state
+  written over `state` (float32 or x's dtype), returning y. A decode step on transformers' K-wide
+  cache rolls the state in place and convolves it there.
 - `l2_norm(x, eps=1e-6)`: `x * rsqrt(sum(x^2) + eps)` over the last dim (transformers' `l2norm`).
 - `gates(A_log, a, dt_bias, b)` -> `(g, beta)` float32: `g = -exp(A_log) * softplus(a + dt_bias)`,
   `beta = sigmoid(b)`.
@@ -43,6 +46,7 @@ __all__ = [
     "HEAD_DIMS",
     "L2_EPS",
     "causal_conv1d",
+    "causal_conv1d_",
     "gated_delta_net",
     "gated_delta_net_",
     "gated_rms_norm",
@@ -106,6 +110,18 @@ def causal_conv1d(
     return ops.causal_conv1d(x, weight, state, bias, activation)
 
 
+def causal_conv1d_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`causal_conv1d` updating `state` in place (its new rolling state); returns y."""
+    return ops.causal_conv1d_(x, weight, state, bias, activation)
+
+
 def l2_norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """`x * rsqrt(sum(x^2, -1) + eps)` in x's dtype (computed in float32)."""
     return ops.l2_norm(x, float(eps))
@@ -149,6 +165,13 @@ def _causal_conv1d_fake(x, weight, state, bias, activation):
     w = state.shape[-1] if state is not None else weight.shape[-1]
     y = x.new_empty((b, t, c)).transpose(1, 2)
     return y, x.new_empty((b, c, w), dtype=state.dtype if state is not None else x.dtype)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("causal_conv1d_"))
+def _causal_conv1d_inplace_fake(x, weight, state, bias, activation):
+    same_device("causal_conv1d_", x=x, weight=weight, state=state, bias=bias)
+    b, c, t = x.shape
+    return x.new_empty((b, t, c)).transpose(1, 2)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("l2_norm"))

@@ -10,7 +10,8 @@ cache: `update_conv_state`, then the conv over [cached columns | new tokens]).
 
 Every step but the projections runs on this package's ops: `causal_conv1d` (ggml SSM_CONV + SiLU),
 `gates`, `gated_delta_net` (ggml GATED_DELTA_NET, q/k L2-normalised and q scaled by Dk^-0.5
-inside), `gated_rms_norm`.
+inside), `gated_rms_norm`; decode steps use the in-place `causal_conv1d_` / `gated_delta_net_` on
+the cache's own state tensors.
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, atten
     weight, bias, activation = module.conv1d.weight, module.conv1d.bias, module.activation
     if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(idx):
         # decode: the rolling conv state is updated in place, as transformers' causal_conv1d_update does
-        mixed_qkv, new_conv_state = ops.causal_conv1d(mixed_qkv, weight, conv_state, bias, activation)
-        conv_state.copy_(new_conv_state)
+        mixed_qkv = ops.causal_conv1d_(mixed_qkv, weight, conv_state, bias, activation)
     else:
         if cache_params is not None:  # prefill: the cache stores the last columns, returns [cached | new]
             mixed_qkv = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=module.conv_kernel_size)
