@@ -11,7 +11,6 @@ inside the runner's atol of 1e-2. The reference's time is that loop's (vectorise
 """
 
 import torch
-
 from kernels.benchmark import Benchmark
 
 HK, D, KERNEL = 16, 128, 4

@@ -16,12 +16,11 @@ from collections import Counter
 
 import pytest
 import torch
-from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from kernel_testing import variant_dir
+from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import DynamicCache
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5GatedDeltaNet
-
 
 LAYER_TOL = 1e-5
 BF16_LAYER_TOL = 3e-2
@@ -104,7 +103,7 @@ def test_prefill_then_decode_matches_transformers(gdn, name):
         our_cache = DynamicCache(config=config)
         y = ours(x, cache_params=our_cache)
         assert_close_scaled(y, y_ref, LAYER_TOL)
-        for a, b in zip(states(our_cache, 1), states(ref_cache, 1)):
+        for a, b in zip(states(our_cache, 1), states(ref_cache, 1), strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype
             assert_close_scaled(a, b, LAYER_TOL)
         assert our_cache.has_previous_state(1)
@@ -114,7 +113,7 @@ def test_prefill_then_decode_matches_transformers(gdn, name):
         for step in range(10):
             x = torch.randn(2, 1, config.hidden_size)
             if step == 0:
-                ops = our_ops(op_counts(lambda: ours(x, cache_params=copy.deepcopy(our_cache))), gdn)
+                ops = our_ops(op_counts(lambda x=x: ours(x, cache_params=copy.deepcopy(our_cache))), gdn)
                 # decode updates the cached conv and recurrent states in place
                 assert ops == Counter(causal_conv1d_=1, gates=1, gated_delta_net_=1, gated_rms_norm=1), ops
             conv_before, state_before = states(our_cache, 1)
@@ -122,7 +121,7 @@ def test_prefill_then_decode_matches_transformers(gdn, name):
             # updated in place, as transformers does (its update_recurrent_state copies into the cache)
             assert states(our_cache, 1)[0] is conv_before and states(our_cache, 1)[1] is state_before
             assert_close_scaled(y, y_ref, LAYER_TOL)
-        for a, b in zip(states(our_cache, 1), states(ref_cache, 1)):
+        for a, b in zip(states(our_cache, 1), states(ref_cache, 1), strict=True):
             assert_close_scaled(a, b, LAYER_TOL)
 
 
@@ -135,7 +134,7 @@ def test_prefill_continuing_a_cache(gdn):
         for t in (9, 2, 7, 1, 5):
             x = torch.randn(1, t, config.hidden_size)
             assert_close_scaled(ours(x, cache_params=our_cache), ref(x, cache_params=ref_cache), LAYER_TOL)
-    for a, b in zip(states(our_cache, 0), states(ref_cache, 0)):
+    for a, b in zip(states(our_cache, 0), states(ref_cache, 0), strict=True):
         assert_close_scaled(a, b, LAYER_TOL)
 
 
@@ -147,7 +146,7 @@ def test_short_prefill_and_no_cache(gdn):
         x = torch.randn(3, 2, config.hidden_size)
         ref_cache, our_cache = DynamicCache(config=config), DynamicCache(config=config)
         assert_close_scaled(ours(x, cache_params=our_cache), ref(x, cache_params=ref_cache), LAYER_TOL)
-        for a, b in zip(states(our_cache, 0), states(ref_cache, 0)):
+        for a, b in zip(states(our_cache, 0), states(ref_cache, 0), strict=True):
             assert_close_scaled(a, b, LAYER_TOL)
         x = torch.randn(2, 17, config.hidden_size)
         assert_close_scaled(ours(x), ref(x), LAYER_TOL)
@@ -186,7 +185,7 @@ def test_left_padded_batch_equals_each_prompt_alone(gdn):
             cache = DynamicCache(config=config)
             alone = ours(prompt, cache_params=cache)
             assert_close_scaled(y[i : i + 1, 12 - prompt.shape[1] :], alone, LAYER_TOL)
-            for s, d in zip(steps, decode):
+            for s, d in zip(steps, decode, strict=True):
                 assert_close_scaled(d[i : i + 1], ours(s[i : i + 1], cache_params=cache), LAYER_TOL)
 
 
@@ -222,7 +221,7 @@ def test_whole_model_generate(gdn):
     ops = our_ops(counts, gdn)
     assert (ops["gated_delta_net"], ops["gated_delta_net_"]) == (1, 7)  # one prefill, 7 decode steps in place
     assert torch.equal(ours_out.sequences, ref_out.sequences)
-    for a, b in zip(ours_out.logits, ref_out.logits):
+    for a, b in zip(ours_out.logits, ref_out.logits, strict=True):
         assert_close_scaled(a, b, 1e-4)
 
 

@@ -190,7 +190,7 @@ def test_gated_delta_net_threads_agree(gdn):
         many = gdn.gated_delta_net(*inputs, l2_normalize_qk=True)
     finally:
         torch.set_num_threads(before)
-    for a, b in zip(one, many):
+    for a, b in zip(one, many, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same per-head code either way
 
 
@@ -198,7 +198,7 @@ def test_gated_delta_net_does_not_touch_inputs(gdn):
     inputs = make_gdn_inputs(1, 4, 2, 2, 32, torch.float32, True, True)
     copies = [x.clone() for x in inputs]
     gdn.gated_delta_net(*inputs, l2_normalize_qk=True)
-    for a, b in zip(inputs, copies):
+    for a, b in zip(inputs, copies, strict=True):
         assert torch.equal(a, b)
 
 
@@ -378,7 +378,7 @@ def test_torch_compile_fullgraph(gdn):
         torch.randn(2), torch.randn(1, 3, 2), torch.randn(1, 2, 64, 64), torch.randn(1, 3, 2, 64), torch.randn(64),
     )
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    for a, b in zip(compiled(*args), f(*args)):
+    for a, b in zip(compiled(*args), f(*args), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -394,7 +394,7 @@ def test_fake_shapes_match(gdn):
         fa = [mode.from_tensor(t) if t is not None else None for t in args]
         fake = [*gdn.gated_delta_net(*fa), *gdn.causal_conv1d(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(st)),
                 *gdn.causal_conv1d(mode.from_tensor(x), mode.from_tensor(w))]
-    for r, f in zip(real, fake):
+    for r, f in zip(real, fake, strict=True):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
 
