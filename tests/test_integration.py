@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import json
 
+import llama_cpp  # noqa: F401  (the oracle here: nox installs llama.cpp b11312; missing, these tests fail, not skip)
 import pytest
 from kernel_testing import fresh_process
-
-pytest.importorskip("llama_cpp", reason="llama-cpp-python (llama.cpp b11312) is the oracle here")
 
 CODE = """
 import json, os, sys

@@ -143,6 +143,10 @@ def test_gated_delta_net_in_place(gdn, t):
     out2 = gdn.gated_delta_net_(q, k, v, g, beta, cache, l2_normalize_qk=True)
     assert torch.equal(out2, out) and torch.equal(cache, new_state)
     assert cache.data_ptr() == ptr and cache.stride() == strides
+    # and both are right: the float64 per-token reference
+    ref_out, ref_state = gdn.reference.gated_delta_net(*as64(q, k, v, g, beta, state), l2_normalize_qk=True)
+    assert_close_scaled(out2, ref_out, GDN_TOL)
+    assert_close_scaled(cache, ref_state, GDN_TOL)
 
 
 def test_gated_delta_net_in_place_needs_ggml_layout(gdn):
@@ -277,6 +281,10 @@ def test_causal_conv1d_in_place(gdn, t, state_width, dtype):
     ptr = cache.data_ptr()
     y2 = gdn.causal_conv1d_(x, weight, cache, "silu", bias=bias)
     assert torch.equal(y2, y) and torch.equal(cache, new_state) and cache.data_ptr() == ptr
+    # and both are right: the float64 reference (x's rounding to its dtype is in both inputs)
+    ref_y, ref_state = gdn.reference.causal_conv1d(*as64(x, weight, state), "silu", bias=bias.double())
+    assert_close_scaled(y2, ref_y, CONV_TOL, ROUNDING[dtype])
+    torch.testing.assert_close(cache.double(), ref_state, rtol=0, atol=0)
 
 
 def test_causal_conv1d_in_place_needs_a_state(gdn):

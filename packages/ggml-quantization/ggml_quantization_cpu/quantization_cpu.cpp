@@ -101,11 +101,12 @@ bool sgemm_type(ggml_type t) {
 }
 
 // Rows of activations up to which mul_mat calls ggml-cpu's dot product per (weight row, activation
-// row) itself (decode; transformers' mat-vec path is M <= 8). ggml's mul_mat computes exactly these
-// dot products for these types (one row at a time on x86: type traits nrows == 1), so the results
-// are bit-identical, minus the cost of building and planning a graph per slice, which for a decode
-// step's small matrices is a good part of the op.
-constexpr int64_t kDirectDotRows = 8;
+// row) itself (a decode step of one sequence). ggml's mul_mat computes exactly these dot products
+// for these types (one row at a time on x86: type traits nrows == 1), so the results are
+// bit-identical, minus the cost of building and planning a graph per slice, which for a decode
+// step's small matrices is a good part of the op. At M = 8 ggml's own blocked loop was faster on
+// large Q4_K weights (tools/bench_quantization.py: 0.72x-0.83x), so more rows keep the graph.
+constexpr int64_t kDirectDotRows = 1;
 
 // out (m, out_features) = x (m, K) @ W.T with ggml-cpu's vec_dot on the quantized activations xq.
 void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
