@@ -154,6 +154,14 @@ ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t col
   return g;
 }
 
+ggml_tensor* Graph::raw(ggml_type type, const void* data, const int64_t (&ne)[4], const size_t (&nb)[4]) {
+  int64_t dims[4] = {ne[0], ne[1], ne[2], ne[3]};
+  ggml_tensor* g = ggml().ggml_new_tensor(ctx_, type, 4, dims);
+  for (int i = 0; i < 4; ++i) g->nb[i] = nb[i];
+  g->data = const_cast<void*>(data);
+  return g;
+}
+
 void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
   const auto& G = ggml();
   const int nd = static_cast<int>(dst.dim());

@@ -52,6 +52,10 @@ class Graph {
   // tensor {cols, rows[, experts]} of `type`. blocks may be a row slice (narrow along the rows) of
   // a bigger packed matrix: its strides are kept.
   ggml_tensor* packed(const at::Tensor& blocks, ggml_type type, int64_t cols);
+  // A ggml tensor over raw memory: ne / nb in ggml's order (fastest first; nb in bytes). For hot
+  // paths that would otherwise build several torch views (select, narrow, permute) per slice only
+  // to describe a strided block: each torch view op costs about a microsecond.
+  ggml_tensor* raw(ggml_type type, const void* data, const int64_t (&ne)[4], const size_t (&nb)[4]);
 
   // Computes `result` straight into `dst`, a float32 tensor of the result's shape (dims reversed)
   // whose last dim is dense; other strides may be anything, e.g. a column slice of a bigger output.

@@ -208,18 +208,34 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, con
   const double q_mul = l2_normalize_qk ? s : s * sqrt_d;
   float* new_state_mem = new_state_ggml.data_ptr<float>();
 
+  // g and beta as float32 once for all slices (no copy when they already are).
+  const at::Tensor gf = g.to(at::kFloat), bf = beta.to(at::kFloat);
+  // A decode step (T == 1) reads a slice's g / beta ({1, 1, 1, hs}) and writes its float32 output
+  // rows straight from / to the tensors; other shapes gather and scatter through torch.
+  const bool gates_direct = T == 1 && gf.stride(2) == 1 && bf.stride(2) == 1;
+  const bool out_direct = T == 1 && out.scalar_type() == at::kFloat && out.is_contiguous();
+
   // One graph per run of whole key groups [h0, h1) of sequence b. The value heads go to ggml's
   // sequence dim (v {D, 1, T, hs}, q/k {D, 1, T, hs / r}), where ggml broadcasts q/k interleaved
   // (sequence i reads i / r): transformers' repeat_interleave. Any head range works when r == 1.
+  // Slices are described to ggml by pointer and strides (Graph::raw): a decode step runs several
+  // slices per thread and torch views would cost more than the small ggml ops around the kernel.
   auto run_slice = [&](int64_t b, int64_t h0, int64_t h1) {
     const auto& G = ggml();
     const int64_t hs = h1 - h0, khs = hs / r;
     Graph gr(24);
     ggml_context* ctx = gr.ctx();
-    auto heads_as_seqs = [](const at::Tensor& x) { return x.permute({1, 0, 2}).unsqueeze(2); };  // (T,h,D)->(h,T,1,D)
-    ggml_tensor* tq = as_f32(gr, gr.view(heads_as_seqs(qd.select(0, b).narrow(1, h0 / r, khs))));
-    ggml_tensor* tk = as_f32(gr, gr.view(heads_as_seqs(kd.select(0, b).narrow(1, h0 / r, khs))));
-    ggml_tensor* tv = as_f32(gr, gr.view(heads_as_seqs(vd.select(0, b).narrow(1, h0, hs))));
+    // x (B, T, H, D)[b, :, h:h+nh, :] as ggml {D, 1, T, nh}: heads as sequences
+    auto heads_as_seqs = [&](const at::Tensor& x, int64_t h, int64_t nh) {
+      const auto es = static_cast<size_t>(x.element_size());
+      const char* base = static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
+      return gr.raw(ggml_type_of(x.scalar_type()), base, {D, 1, T, nh},
+                    {es, static_cast<size_t>(D) * es, static_cast<size_t>(x.stride(1)) * es,
+                     static_cast<size_t>(x.stride(2)) * es});
+    };
+    ggml_tensor* tq = as_f32(gr, heads_as_seqs(qd, h0 / r, khs));
+    ggml_tensor* tk = as_f32(gr, heads_as_seqs(kd, h0 / r, khs));
+    ggml_tensor* tv = as_f32(gr, heads_as_seqs(vd, h0, hs));
     if (l2_normalize_qk) {
       tq = G.ggml_scale(ctx, G.ggml_rms_norm(ctx, tq, eps_d), static_cast<float>(q_mul));
       tk = G.ggml_scale(ctx, G.ggml_rms_norm(ctx, tk, eps_d), static_cast<float>(1.0 / sqrt_d));
@@ -227,14 +243,24 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, con
       tq = G.ggml_scale(ctx, tq, static_cast<float>(q_mul));
     }
     // g, beta: {1, 1, T, hs} contiguous
-    auto per_seq = [&](const at::Tensor& x) {
-      return x.select(0, b).narrow(1, h0, hs).t().to(at::kFloat).contiguous().view({hs, T, 1, 1});
+    at::Tensor gathered[2];  // the gathered copies must outlive the graph
+    auto per_seq = [&](const at::Tensor& x, at::Tensor& keep) -> ggml_tensor* {
+      if (gates_direct) {
+        return gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0, {1, 1, 1, hs},
+                      {4, 4, 4, 4});
+      }
+      keep = x.select(0, b).narrow(1, h0, hs).t().contiguous().view({hs, T, 1, 1});
+      return gr.view(keep);
     };
-    const at::Tensor gs = per_seq(g), bs = per_seq(beta);
+    ggml_tensor* tg = per_seq(gf, gathered[0]);
+    ggml_tensor* tb = per_seq(bf, gathered[1]);
     // state: {D, D, 1, hs} contiguous, ggml's layout
-    at::Tensor s0;
+    ggml_tensor* ts;
+    at::Tensor s0;  // a transposed copy of the caller's state, alive until the graph has run
     if (state_is_ggml) {
-      s0 = st_ggml.select(0, b).narrow(0, h0, hs).view({hs, 1, D, D});
+      const size_t block = static_cast<size_t>(D * D) * sizeof(float);
+      ts = gr.raw(GGML_TYPE_F32, st_ggml.data_ptr<float>() + (b * Hv + h0) * D * D, {D, D, 1, hs},
+                  {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
     } else {
       s0 = t_state.tensor(hs * D * D).view({hs, 1, D, D});
       if (has_state) {
@@ -242,14 +268,20 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, con
       } else {
         s0.zero_();
       }
+      ts = gr.view(s0);
     }
-    ggml_tensor* y = G.ggml_gated_delta_net(ctx, tq, tk, tv, gr.view(gs), gr.view(bs), gr.view(s0), 1);
+    ggml_tensor* y = G.ggml_gated_delta_net(ctx, tq, tk, tv, tg, tb, ts, 1);
     // {D, hs * (T + D)}: the output (hs, T, D), then the final states (hs, D, D), ggml's layout
     const at::Tensor dst = t_dst.tensor(hs * (T + D) * D).view({hs * (T + D), D});
     gr.compute(y, dst);
-    out.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
-    // in place: these heads' input state (s0) was read by the graph above and is not read again
-    std::memcpy(new_state_mem + (b * Hv + h0) * D * D, dst.data_ptr<float>() + hs * T * D,
+    const float* dst_mem = dst.data_ptr<float>();
+    if (out_direct) {  // out (B, 1, Hv, D): these heads' rows are hs * D consecutive floats
+      std::memcpy(out.data_ptr<float>() + (b * Hv + h0) * D, dst_mem, static_cast<size_t>(hs * D) * sizeof(float));
+    } else {
+      out.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
+    }
+    // in place: these heads' input state was read by the graph above and is not read again
+    std::memcpy(new_state_mem + (b * Hv + h0) * D * D, dst_mem + hs * T * D,
                 static_cast<size_t>(hs * D * D) * sizeof(float));
   };
 
@@ -350,7 +382,10 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const
   const bool out_f32 = x.scalar_type() == at::kFloat;
   if (B > 0 && T > 0 && C > 0) {
     const int64_t block = std::max<int64_t>(16, (int64_t{1} << 18) / (4 * L * B) / 16 * 16);
-    parallel_chunks(C, block, 16, 2, [&](int64_t c0, int64_t c1) {
+    // Threads take at least ~16 KB of input each: a decode step's 6144 channels (4 columns) are
+    // split too, though they fit one block.
+    const int64_t min_chunk = std::max<int64_t>(16, (int64_t{1} << 12) / (L * B));
+    parallel_chunks(C, min_chunk, 16, 2, [&](int64_t c0, int64_t c1) {
       const auto& G = ggml();
       const int64_t n = c1 - c0;
       // float32 conv results of this chunk: straight into out, or a buffer when out is bf16/f16
@@ -359,12 +394,12 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const
         const int64_t cs = std::min(block, c1 - cb);
         at::Tensor sx;
         if (rolled) {  // the new state [state[T:] | x] is the conv's input: roll it, read it in place
+          // Each W-float row moves T to the left: one memmove of the block's rows by T floats (the
+          // last T columns of each row get the next row's first ones, overwritten by x just below).
           float* sp = state->data_ptr<float>();
           for (int64_t b = 0; b < B; ++b) {
-            for (int64_t c = cb; c < cb + cs; ++c) {
-              float* row = sp + (b * C + c) * W;
-              for (int64_t i = 0; i + T < W; ++i) row[i] = row[i + T];  // a few floats: no memmove call
-            }
+            float* rows = sp + (b * C + cb) * W;
+            std::memmove(rows, rows + T, static_cast<size_t>(cs * W - T) * sizeof(float));
           }
           gather_rows(x.narrow(1, cb, cs), sp + cb * W, W, W - T, C * W);
           sx = state->narrow(1, cb, cs);
