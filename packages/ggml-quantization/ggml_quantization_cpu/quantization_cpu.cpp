@@ -108,6 +108,13 @@ bool sgemm_type(ggml_type t) {
 // large Q4_K weights (tools/bench_quantization.py: 0.72x-0.83x), so more rows keep the graph.
 constexpr int64_t kDirectDotRows = 1;
 
+// How far ahead of the row being multiplied its weight rows are requested from memory (software
+// prefetch). A decode step streams every weight from DRAM once, and the hardware prefetchers alone
+// leave the dot products waiting: measured in one process, alternating distances (2 threads, weights
+// cycled through 300 MB): 3584x1024 Q4_K 74.5 -> 66.5 us, 1024x3584 Q6_K 87.9 -> 74.9 us, 1536x576
+// Q4_1 33.1 -> 30.7 us with rows ~4 KB ahead (1-8 KB alike).
+constexpr int64_t kPrefetchBytes = 4096;
+
 // out (m, out_features) = x (m, K) @ W.T with ggml-cpu's vec_dot on the quantized activations xq.
 void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
                         at::Tensor& out) {
@@ -119,8 +126,14 @@ void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, con
   const int64_t n = out.size(1);
   // ~64 KiB of weights per chunk: no graph to amortize, so chunks can be small for load balance
   const int64_t min_rows = std::max<int64_t>(16, (int64_t{1} << 16) / blocks.size(1));
+  const int64_t row_bytes = blocks.size(1);
+  const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
   parallel_chunks(n, min_rows, 16, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t i = n0; i < n1; ++i) {
+      if (i + pf_rows < n1) {
+        const char* ahead = reinterpret_cast<const char*>(w + (i + pf_rows) * w_stride);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
+      }
       for (int64_t r = 0; r < m; ++r) {
         vec_dot(static_cast<int>(k), o + r * n + i, 0, w + i * w_stride, 0, xp + r * x_stride, 0, 1);
       }
