@@ -93,19 +93,13 @@ bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
 }
 
-// Types ggml's mul_mat hands to llamafile's sgemm (tinyBLAS) on x86 instead of its row dot products:
-// their results depend on tinyBLAS's own summation order, so they always go through a ggml graph.
-bool sgemm_type(ggml_type t) {
-  return is_float_type(t) || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q5_0 ||
-         t == GGML_TYPE_IQ4_NL;
-}
-
 // Rows of activations up to which mul_mat calls ggml-cpu's dot product per (weight row, activation
-// row) itself (a decode step of one sequence). ggml's mul_mat computes exactly these dot products
-// for these types (one row at a time on x86: type traits nrows == 1), so the results are
-// bit-identical, minus the cost of building and planning a graph per slice, which for a decode
-// step's small matrices is a good part of the op. At M = 8 ggml's own blocked loop was faster on
-// large Q4_K weights (tools/bench_quantization.py: 0.72x-0.83x), so more rows keep the graph.
+// row) itself (a decode step of one sequence). For one row ggml's mul_mat computes exactly these dot
+// products for every type (x86 type traits have nrows == 1, and llamafile's sgemm declines a single
+// column: "only enable sgemm for prompt processing"), so the results are bit-identical, minus the
+// cost of building and planning a graph per slice, which for a decode step's small matrices is a
+// good part of the op. At M = 8 ggml's own blocked loop was faster on large Q4_K weights
+// (tools/bench_quantization.py: 0.72x-0.83x), so more rows keep the graph.
 constexpr int64_t kDirectDotRows = 1;
 
 // How far ahead of the row being multiplied its weight rows are requested from memory (software
@@ -124,11 +118,14 @@ void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, con
   float* o = out.data_ptr<float>();
   const int64_t w_stride = blocks.stride(0), x_stride = xq.stride(0), m = xq.size(0);
   const int64_t n = out.size(1);
-  // ~64 KiB of weights per chunk: no graph to amortize, so chunks can be small for load balance
+  // At least ~64 KiB of weights per thread, and one contiguous run of rows each: streaming from
+  // DRAM, two long runs beat finer chunks taken from a shared counter (A/B in one process, 2
+  // threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584 Q6_K 75.0 -> 62.8 us against 8 chunks per
+  // thread; 2 per thread was in between).
   const int64_t min_rows = std::max<int64_t>(16, (int64_t{1} << 16) / blocks.size(1));
   const int64_t row_bytes = blocks.size(1);
   const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
-  parallel_chunks(n, min_rows, 16, 8, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(n, min_rows, 16, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t i = n0; i < n1; ++i) {
       if (i + pf_rows < n1) {
         const char* ahead = reinterpret_cast<const char*>(w + (i + pf_rows) * w_stride);
@@ -161,7 +158,7 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
-  if (m <= kDirectDotRows && xq.defined() && traits->nrows == 1 && !sgemm_type(type)) {
+  if (m <= kDirectDotRows && xq.defined() && traits->nrows == 1) {
     direct_dot_mul_mat(blocks, type, k, xq, out);
     return out;
   }
