@@ -13,7 +13,8 @@
   dequantizes every weight (see `archs`);
 - on the CPU routes what transformers keeps for itself there through our kernels: embeddings of
   packed tables (get_rows) and prefill matmuls on packed weights (mul_mat), so no weight is ever
-  unpacked to a dense copy.
+  unpacked to a dense copy;
+- lets CPU key/value caches grow in place instead of being re-copied every step (see `kv_cache`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import tomllib
 import torch
 
-from . import archs
+from . import archs, kv_cache
 from .validate import GgufFileError, GgufSummary, check_gguf
 
 __all__ = ["GgufFileError", "GgufSummary", "builds", "check_gguf", "enable"]
@@ -105,6 +106,9 @@ def enable() -> None:
     # transformers copies each tensor out of the memory-mapped file, and the mapped pages it read
     # stay resident until the whole load ends: the peak was the file twice. Drop them as it goes.
     _release_mapped_pages_after_each_tensor()
+
+    # Decode steps append to the key/value cache in place instead of re-copying it (see kv_cache).
+    kv_cache.install()
 
     # A damaged or unsupported file fails on its first header read (the config's), in one clear
     # sentence, before a model is built (see `validate`).

@@ -1,0 +1,100 @@
+"""The in-place growing key/value cache (`ggml_kernels_integration.kv_cache`) against transformers'
+own `torch.cat` cache: same keys and values after every operation transformers performs on a
+`DynamicLayer` (prefill, decode steps, crop, beam reordering, batch selection and repetition, reset),
+and growth without a copy per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ggml_kernels_integration import kv_cache
+
+
+@pytest.fixture(scope="module")
+def layers():
+    """(transformers' DynamicLayer.update, ours): installs ours for this process, as enable() does."""
+    from transformers.cache_utils import DynamicLayer
+
+    kv_cache.install()
+    return kv_cache._state["original"], DynamicLayer.update
+
+
+def _pair():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer(), DynamicLayer()
+
+
+def _step(reference, ours, original, patched, k, v):
+    want = original(reference, k, v)
+    got = patched(ours, k, v)
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert ours.get_seq_length() == reference.get_seq_length()
+
+
+def _kv(batch, tokens, heads=2, dim=8):
+    return torch.randn(batch, heads, tokens, dim), torch.randn(batch, heads, tokens, dim)
+
+
+def test_prefill_then_decode_matches_cat_and_reuses_the_buffer(layers):
+    original, patched = layers
+    reference, ours = _pair()
+    _step(reference, ours, original, patched, *_kv(2, 5))
+    buffer = ours.keys.data_ptr()
+    for _ in range(40):
+        _step(reference, ours, original, patched, *_kv(2, 1))
+    assert ours.keys.data_ptr() == buffer  # 45 positions fit the first buffer: no reallocation
+    assert not ours.keys.is_contiguous()  # a view of the first seq_len positions
+
+
+def test_growth_past_the_capacity(layers):
+    original, patched = layers
+    reference, ours = _pair()
+    _step(reference, ours, original, patched, *_kv(1, 3))
+    for _ in range(kv_cache.MIN_SPARE_POSITIONS + 10):
+        _step(reference, ours, original, patched, *_kv(1, 1))
+    _step(reference, ours, original, patched, *_kv(1, 700))  # a long chunk at once
+
+
+def test_crop_then_update_overwrites_the_cropped_positions(layers):
+    original, patched = layers
+    reference, ours = _pair()
+    _step(reference, ours, original, patched, *_kv(1, 10))
+    reference.crop(-4)
+    ours.crop(-4)
+    _step(reference, ours, original, patched, *_kv(1, 3))
+    _step(reference, ours, original, patched, *_kv(1, 1))
+
+
+def test_reorder_select_repeat_and_reset(layers):
+    original, patched = layers
+    reference, ours = _pair()
+    _step(reference, ours, original, patched, *_kv(3, 6))
+    beams = torch.tensor([2, 0, 0])
+    reference.reorder_cache(beams)
+    ours.reorder_cache(beams)
+    _step(reference, ours, original, patched, *_kv(3, 1))
+    keep = torch.tensor([0, 2])
+    reference.batch_select_indices(keep)
+    ours.batch_select_indices(keep)
+    _step(reference, ours, original, patched, *_kv(2, 1))
+    reference.batch_repeat_interleave(2)
+    ours.batch_repeat_interleave(2)
+    _step(reference, ours, original, patched, *_kv(4, 2))
+    reference.reset()
+    ours.reset()
+    assert ours.get_seq_length() == 0
+    _step(reference, ours, original, patched, *_kv(1, 4))
+
+
+def test_other_devices_keep_torch_cat(layers):
+    original, patched = layers
+    reference, ours = _pair()
+    k, v = _kv(1, 2)
+    k, v = k.to("meta"), v.to("meta")
+    got = patched(ours, k, v)
+    assert got[0].device.type == "meta" and got[0].shape == (1, 2, 2, 8)
+    assert "_ggml_kernels_kv_buffers" not in ours.__dict__
