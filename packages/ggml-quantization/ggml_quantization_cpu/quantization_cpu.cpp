@@ -138,6 +138,41 @@ void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, con
   });
 }
 
+// (token, expert) pairs up to which mul_mat_id calls the dot products itself, as mul_mat does for
+// one row: a decode step of one sequence (its top-k experts for gate/up, then one expert per row for
+// down). ggml's mul_mat_id computes the same per-row dot products, so the results are bit-identical.
+constexpr int64_t kDirectDotPairs = 16;
+
+// out (t, n_ids, n)[i, j] = W[ids[i, j]] @ x[i], ggml-cpu's vec_dot on the quantized rows xq (t, *).
+// The (pair, weight row) items are split into one contiguous run per thread, prefetched as in
+// direct_dot_mul_mat.
+void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
+                           const at::Tensor& ids32, at::Tensor& out) {
+  const auto vec_dot = ggml().ggml_get_type_traits_cpu(type)->vec_dot;
+  const auto* w = static_cast<const uint8_t*>(blocks.data_ptr());
+  const auto* xp = static_cast<const uint8_t*>(xq.data_ptr());
+  const int32_t* id = ids32.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t n_ids = ids32.size(1), n = out.size(2);
+  const int64_t expert_stride = blocks.stride(0), row_stride = blocks.stride(1), x_stride = xq.stride(0);
+  const int64_t row_bytes = blocks.size(2);
+  const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
+  const int64_t min_items = std::max<int64_t>(16, (int64_t{1} << 16) / row_bytes);
+  auto row = [&](int64_t item) {  // weight row of item (pair * n + r)
+    return w + id[item / n] * expert_stride + (item % n) * row_stride;
+  };
+  parallel_chunks(out.size(0) * n_ids * n, min_items, 16, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + pf_rows < i1) {
+        const char* ahead = reinterpret_cast<const char*>(row(i + pf_rows));
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
+      }
+      const int64_t pair = i / n;
+      vec_dot(static_cast<int>(k), o + i, 0, row(i), 0, xp + (pair / n_ids) * x_stride, 0, 1);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
@@ -197,8 +232,13 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
-  const ggml_type vdt = ggml().ggml_get_type_traits_cpu(type)->vec_dot_type;
+  const auto* traits = ggml().ggml_get_type_traits_cpu(type);
+  const ggml_type vdt = traits->vec_dot_type;
   const at::Tensor ids32 = ids.to(at::kInt).contiguous();
+  if (t * n_ids <= kDirectDotPairs && xq.defined() && traits->nrows == 1) {
+    direct_dot_mul_mat_id(blocks, type, k, xq, ids32, out);
+    return out;
+  }
   parallel_chunks(out_features, min_rows_per_task(blocks.size(2)), 16, 4, [&](int64_t n0, int64_t n1) {
     Graph g(8);
     ggml_tensor* as = g.packed(blocks.narrow(1, n0, n1 - n0), type, k);  // {K, n1 - n0, E}
