@@ -7,6 +7,11 @@ bench-results/e2e.json (every measurement), e2e.md (the table below) and e2e.png
 prints the table with our targets per model: decode >= 0.8x llama.cpp, >= 3x transformers float32,
 and >= 4x less peak memory than transformers float32 (reported, never asserted).
 
+llama.cpp's and our decode speeds drift by 10-15% between runs on a shared machine, so the decode
+ratio is not taken from one pair of cells: after the table's cells, `kernels` and `llama.cpp` decode
+again in alternating fresh processes (`--decode-rounds`, 3 by default), and the target line reports
+the median of the per-round ratios.
+
     python tools/bench_e2e.py                      # prefill 64 and 512 tokens, decode 128 tokens
     python tools/bench_e2e.py --quick              # a smoke run: prefill 16 and 64, decode 16
     python tools/bench_e2e.py --models smollm2-135m --backends kernels llama.cpp
@@ -18,6 +23,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -40,8 +46,8 @@ BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf",
 TARGET_DECODE_VS_LLAMA_CPP = 0.8
 TARGET_DECODE_VS_F32 = 3.0
 TARGET_MEMORY_F32_OVER_OURS = 4.0
-FULL = {"prompt_tokens": [64, 512], "decode_tokens": 128, "repeats": 3}
-QUICK = {"prompt_tokens": [16, 64], "decode_tokens": 16, "repeats": 1}
+FULL = {"prompt_tokens": [64, 512], "decode_tokens": 128, "repeats": 3, "decode_rounds": 3}
+QUICK = {"prompt_tokens": [16, 64], "decode_tokens": 16, "repeats": 1, "decode_rounds": 0}
 RUN_TIMEOUT_S = 3600
 
 
@@ -110,13 +116,30 @@ def _model_mib(row: dict) -> float | None:
     return row["peak_rss_mib"] - row["rss_at_start_mib"]
 
 
-def target_lines(model: str, ratios: dict) -> list[str]:
-    """PASS / MISS of our (the `kernels` backend's) three targets on one model."""
+def decode_rounds(model: str, rounds: list[dict]) -> dict | None:
+    """The alternating decode runs of one model: each backend's speeds and the per-round ratios."""
+    mine = [r for r in rounds if r["model_name"] == model and r.get("kernels") and r.get("llama.cpp")]
+    if not mine:
+        return None
+    ratios = sorted(r["kernels"] / r["llama.cpp"] for r in mine)
+    return {"kernels": [r["kernels"] for r in mine], "llama.cpp": [r["llama.cpp"] for r in mine], "ratios": ratios,
+            "median_ratio": statistics.median(ratios)}
+
+
+def target_lines(model: str, ratios: dict, rounds: dict | None = None) -> list[str]:
+    """PASS / MISS of our (the `kernels` backend's) three targets on one model; the decode ratio is
+    the median over the alternating rounds when there are any."""
     ours = ratios.get("kernels")
     if ours is None:
         return []
+    decode_label, decode_ratio = "decode vs llama.cpp", ours["decode_vs_llama_cpp"]
+    if rounds:
+        decode_label = (f"decode vs llama.cpp (median of {len(rounds['ratios'])} alternating rounds: "
+                        + ", ".join(f"{ours_tok_s:.1f}/{theirs:.1f}" for ours_tok_s, theirs in zip(rounds["kernels"], rounds["llama.cpp"], strict=True))
+                        + " tok/s)")
+        decode_ratio = rounds["median_ratio"]
     checks = [
-        ("decode vs llama.cpp", ours["decode_vs_llama_cpp"], TARGET_DECODE_VS_LLAMA_CPP),
+        (decode_label, decode_ratio, TARGET_DECODE_VS_LLAMA_CPP),
         ("decode vs transformers f32", ours["decode_vs_f32"], TARGET_DECODE_VS_F32),
         ("peak memory f32 / ours", ours["memory_f32_over_this"], TARGET_MEMORY_F32_OVER_OURS),
         ("model memory (above the imports) f32 / ours", ours["model_memory_f32_over_this"], TARGET_MEMORY_F32_OVER_OURS),
@@ -128,7 +151,7 @@ def target_lines(model: str, ratios: dict) -> list[str]:
     return [f"- {model}: " + "; ".join(parts)]
 
 
-def markdown(results: list[dict], settings: dict, threads: int) -> str:
+def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dict] | None = None) -> str:
     prompts = settings["prompt_tokens"]
     header = (["model", "backend"] + [f"prefill {n} tok/s" for n in prompts]
               + [f"decode {settings['decode_tokens']} tok/s", "peak RSS MiB", "weights MiB", "load s",
@@ -149,7 +172,7 @@ def markdown(results: list[dict], settings: dict, threads: int) -> str:
                         fmt_value(ratio["decode_vs_f32"], ".2f", "x"), fmt_value(ratio["memory_f32_over_this"], ".1f", "x"),
                         fmt_value(ratio["model_memory_f32_over_this"], ".1f", "x")])
             lines.append("| " + " | ".join(cells) + " |")
-        targets += target_lines(model, ratios)
+        targets += target_lines(model, ratios, decode_rounds(model, rounds or []))
     notes = [f"{threads} threads, median of {settings['repeats']}; decode after a {min(prompts)}-token prompt; "
              "same token ids for every backend; one process per cell"]
     floors = [r["rss_at_start_mib"] for r in results if "error" not in r]
@@ -201,6 +224,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(MODEL_FILES), default=list(MODEL_FILES))
     ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for every backend (default: torch's)")
+    ap.add_argument("--decode-rounds", type=int, default=None,
+                    help="alternating kernels / llama.cpp decode runs per model after the table (default: 3, --quick 0)")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results", help="output folder (default: %(default)s)")
     ap.add_argument("--report", type=Path, default=None, metavar="E2E_JSON",
                     help="measure nothing: rewrite the table and chart from an earlier run's e2e.json")
@@ -213,7 +238,9 @@ def main() -> None:
     from ggml_kernels_integration import bench
 
     threads = args.threads or bench.default_threads()
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    if args.decode_rounds is not None:
+        settings["decode_rounds"] = args.decode_rounds
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     cells = [(model, backend) for model in args.models for backend in args.backends]
@@ -227,15 +254,28 @@ def main() -> None:
         _log(f"    {status} ({time.perf_counter() - start:.0f} s)")
         results.append(result)
 
+    rounds = []
+    if {"kernels", "llama.cpp"} <= set(args.backends):
+        decode_only = {"prompt_tokens": [min(settings["prompt_tokens"])], "decode_tokens": settings["decode_tokens"],
+                       "repeats": 1}
+        for r in range(settings.get("decode_rounds", 0)):
+            for model in args.models:
+                row = {"model_name": model, "round": r + 1}
+                for backend in ("kernels", "llama.cpp"):
+                    _log(f"[decode round {r + 1}] {model} on {backend} ...")
+                    result = measure(MODEL_FILES[model](), backend, decode_only, threads)
+                    row[backend] = None if "error" in result else result["decode_tok_s"]
+                rounds.append(row)
+
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": _cpu_name(), "threads": threads,
-            "settings": settings}
+            "settings": settings, "decode_rounds": rounds}
     write_outputs(results, settings, threads, args.out, meta)
 
 
 def write_outputs(results: list[dict], settings: dict, threads: int, out: Path, meta: dict) -> None:
     """e2e.json, e2e.md and e2e.png in `out`; prints the table."""
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(results, settings, threads)
+    table = markdown(results, settings, threads, meta.get("decode_rounds"))
     (out / "e2e.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     (out / "e2e.md").write_text(f"# End-to-end benchmark (tools/bench_e2e.py), {meta['date']}, {meta['cpu']}\n\n" + table)
     chart(results, settings, out / "e2e.png")
