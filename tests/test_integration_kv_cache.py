@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ggml_kernels_integration import kv_cache
 
 
