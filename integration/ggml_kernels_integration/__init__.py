@@ -7,8 +7,8 @@
 `enable()` is thin, it rewrites no model code:
 - points the Hub ids transformers asks for at our local builds (LOCAL_KERNELS), and resolves them
   as CPU builds even on a CUDA build of torch;
-- maps the layer kernels (RMSNormZeroCentered, RMSNorm, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter)
-  for the CPU too (transformers maps them for "mps" only);
+- maps the layer kernels (RMSNormZeroCentered, RMSNorm, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter, and
+  the Llama family's rotary_pos_emb function) for the CPU too (transformers maps them for "mps" only);
 - keeps `llama` files (SmolLM2, ...) packed too: transformers sends them to its older loader, which
   dequantizes every weight (see `archs`);
 - on the CPU routes what transformers keeps for itself there through our kernels: embeddings of
@@ -31,11 +31,14 @@ from .validate import GgufFileError, GgufSummary, check_gguf
 __all__ = ["GgufFileError", "GgufSummary", "builds", "check_gguf", "enable"]
 
 REPO = Path(__file__).resolve().parents[2]
+# kernel name transformers asks for -> (Hub id, layer class in that package)
 LAYER_KERNELS = {
-    "RMSNormZeroCentered": "ggml-org/ggml-norm",
-    "RMSNorm": "ggml-org/ggml-norm",
-    "Qwen3_5GatedDeltaNet": "ggml-org/ggml-gated-delta-net",
-    "SoftmaxTopKRouter": "transformers-community/topk",
+    "RMSNormZeroCentered": ("ggml-org/ggml-norm", "RMSNormZeroCentered"),
+    "RMSNorm": ("ggml-org/ggml-norm", "RMSNorm"),
+    "Qwen3_5GatedDeltaNet": ("ggml-org/ggml-gated-delta-net", "Qwen3_5GatedDeltaNet"),
+    "SoftmaxTopKRouter": ("transformers-community/topk", "SoftmaxTopKRouter"),
+    # the function kernel of the Llama family's apply_rotary_pos_emb
+    "rotary_pos_emb": ("ggml-org/ggml-attn", "RotaryPosEmb"),
 }
 
 _state: dict = {}
@@ -92,9 +95,9 @@ def enable() -> None:
 
     def layer_mapping() -> dict:
         out = original_mapping()
-        for layer, repo_id in LAYER_KERNELS.items():
+        for layer, (repo_id, layer_class) in LAYER_KERNELS.items():
             if repo_id in ours:
-                repo = LocalLayerRepository(repo_path=_variant_dir(ours[repo_id]), layer_name=layer)
+                repo = LocalLayerRepository(repo_path=_variant_dir(ours[repo_id]), layer_name=layer_class)
                 out[layer] = {"cpu": {Mode.INFERENCE: repo}}
         return out
 

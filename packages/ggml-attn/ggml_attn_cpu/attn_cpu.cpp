@@ -160,3 +160,73 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
   }
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
+
+// ---------------------------------------------------------------------------------------------
+// rotary_half: transformers' apply_rotary_pos_emb (rotate_half form) on its own cos / sin tables.
+// ggml's rope computes its angles from positions and a frequency base, which transformers' function
+// is not given, so this is a plain element-wise loop over the caller's tables: out = x * cos +
+// rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]], with the same float32 roundings as
+// transformers' torch ops (each product rounded, then the sum). One call does q and k: a decode step
+// of a Llama layer is otherwise ~14 small torch ops.
+
+namespace {
+
+void check_rotary_input(const at::Tensor& x, const char* name, const at::Tensor& table) {
+  check_cpu(x, name);
+  check_dtype(x, {at::kFloat}, name);
+  check_dim(x, 4, name);
+  TORCH_CHECK_VALUE(x.size(2) == table.size(1) && x.size(3) == table.size(2) &&
+                        (table.size(0) == 1 || table.size(0) == x.size(0)),
+                    name, " (batch, heads, tokens, head dim) ", x.sizes(),
+                    " does not match cos / sin (batch or 1, tokens, head dim) ", table.sizes());
+  TORCH_CHECK_VALUE(x.stride(3) == 1 || x.size(3) == 1, name, "'s last dim must be dense, got strides ",
+                    x.strides());
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
+  at::Tensor out = at::empty({B, H, T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xb = x.stride(0), xh = x.stride(1), xt = x.stride(2);
+  const int64_t cb = c.size(0) == 1 ? 0 : c.stride(0), ct = c.stride(1);
+  at::parallel_for(0, B * H * T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (H * T), h = (r / T) % H, t = r % T;
+      const float* xr = xp + b * xb + h * xh + t * xt;
+      const float* cr = cp + b * cb + t * ct;
+      const float* sr = sp + b * cb + t * ct;
+      float* o = op + r * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = xr[i] * cr[i], m = -xr[i + half] * sr[i];
+        o[i] = a + m;
+      }
+      for (int64_t i = half; i < D; ++i) {
+        const float a = xr[i] * cr[i], m = xr[i - half] * sr[i];
+        o[i] = a + m;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& cos, const at::Tensor& sin) {
+  for (auto [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
+    check_cpu(*t, name);
+    check_dtype(*t, {at::kFloat}, name);
+    check_dim(*t, 3, name);
+  }
+  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes(), "cos ", cos.sizes(), " and sin ", sin.sizes(),
+                    " must have one shape");
+  TORCH_CHECK_VALUE(cos.size(2) % 2 == 0, "the rotated head dim must be even, got ", cos.size(2));
+  check_rotary_input(q, "q", cos);
+  check_rotary_input(k, "k", cos);
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "q has batch ", q.size(0), " but k has ", k.size(0));
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  return {rotate(q, c, s), rotate(k, c, s)};
+}

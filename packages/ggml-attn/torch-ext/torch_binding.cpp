@@ -11,8 +11,14 @@ GGML_KERNELS_LIBRARY(m) {
   m.def(
       "flash_attn(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale, "
       "float softcap, Tensor? sinks) -> Tensor");
+  // Rotary position embedding of transformers' Llama family on its own cos / sin, both q and k:
+  // x * cos + rotate_half(x) * sin, q (B, Hq, T, D), k (B, Hk, T, D), cos / sin (B or 1, T, D).
+  m.def("rotary_half(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
 
-GGML_KERNELS_LIBRARY_IMPL(CPU, m) { m.impl("flash_attn", &flash_attn_cpu); }
+GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+  m.impl("flash_attn", &flash_attn_cpu);
+  m.impl("rotary_half", &rotary_half_cpu);
+}
 
 GGML_KERNELS_PYTHON_MODULE()

@@ -8,3 +8,5 @@
 at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& mask, bool causal, double scale,
                           double softcap, const std::optional<at::Tensor>& sinks);
+std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& cos, const at::Tensor& sin);

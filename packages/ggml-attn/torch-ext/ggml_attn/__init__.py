@@ -6,6 +6,9 @@
 - `flash_attn_forward(module, query, key, value, attention_mask, ...)`: transformers' attention
   interface (`model.set_attn_implementation("ggml-org/ggml-attn")`), returns ((B, Sq, Hq, D), None).
 - `supports_flash_attn(head_dim, dtype)`: what the kernel handles.
+- `apply_rotary(q, k, cos, sin, unsqueeze_dim=1)`: transformers' `apply_rotary_pos_emb` (Llama family,
+  rotate_half form) on its own cos / sin tables, q and k in one call; `layers.RotaryPosEmb` is the
+  kernels-library layer for the `rotary_pos_emb` function kernel transformers maps.
 
 A query whose keys are all masked (left padding) gets zeros, never NaN.
 """
@@ -19,8 +22,8 @@ from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
-    "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "flash_attn", "flash_attn_forward", "info", "layers", "reference",
-    "supports_flash_attn",
+    "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward", "info", "layers",
+    "reference", "supports_flash_attn",
 ]
 
 MAX_HEAD_DIM = 1024
@@ -77,6 +80,30 @@ def flash_attn_forward(
     sinks = kwargs.get("s_aux")
     out = ops.flash_attn(query, key, value, attention_mask, causal, float(scaling or 0.0), float(softcap or 0.0), sinks)
     return out, None
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q * cos + rotate_half(q) * sin` and the same for k, as transformers' `apply_rotary_pos_emb`:
+    q (B, Hq, T, D), k (B, Hk, T, D), cos / sin (B or 1, T, D) broadcast over the heads
+    (`unsqueeze_dim=1`). float32 CPU tensors of that layout run the op (same values as transformers'
+    torch ops); anything else (other dtypes, devices or layouts) runs `reference.apply_rotary`."""
+    if (
+        unsqueeze_dim == 1
+        and q.dim() == 4
+        and cos.dim() == 3
+        and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
+        and q.device.type == "cpu"
+    ):
+        return ops.rotary_half(q, k, cos, sin)
+    return reference.apply_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("rotary_half"))
+def _rotary_half_fake(q, k, cos, sin):
+    same_device("rotary_half", q=q, k=k, cos=cos, sin=sin)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("flash_attn"))

@@ -38,3 +38,15 @@ def flash_attn(q, k, v, mask=None, scale=None, causal=False, softcap=None, sinks
     if sinks is not None:
         weights = weights[..., :-1]
     return (weights @ vf).to(q.dtype)
+
+
+def apply_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' `apply_rotary_pos_emb` (rotate_half form): x * cos + rotate_half(x) * sin with
+    cos / sin unsqueezed at `unsqueeze_dim`, for q and k, in their dtype."""
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
