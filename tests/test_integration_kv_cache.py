@@ -12,11 +12,19 @@ from ggml_kernels_integration import kv_cache
 
 @pytest.fixture(scope="module")
 def layers():
-    """(transformers' DynamicLayer.update, ours): installs ours for this process, as enable() does."""
+    """(transformers' DynamicLayer.update, ours). Installs ours as enable() does, and puts
+    transformers' back afterwards unless something in this process had installed it before, so
+    later tests comparing against stock transformers really run transformers' own cache."""
     from transformers.cache_utils import DynamicLayer
 
+    installed_before = kv_cache._state.get("installed", False)
     kv_cache.install()
-    return kv_cache._state["original"], DynamicLayer.update
+    original, ours = kv_cache._state["original"], DynamicLayer.update
+    assert ours is not original  # the test compares two different implementations
+    yield original, ours
+    if not installed_before:
+        DynamicLayer.update = original
+        kv_cache._state.clear()
 
 
 def _pair():

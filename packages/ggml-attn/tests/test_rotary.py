@@ -10,9 +10,18 @@ import torch
 
 
 def _transformers_rotary():
+    """transformers' own apply_rotary_pos_emb, even if something in this process kernelized it:
+    kernels turns the function into a module and kernelize replaces that instance's forward, so the
+    class's forward is transformers' code. Never our layer (that would compare the kernel with itself)."""
+    import functools
+
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    return apply_rotary_pos_emb  # not kernelized in this process: transformers' own forward
+    cls_forward = getattr(type(apply_rotary_pos_emb), "forward", None)
+    fn = functools.partial(cls_forward, apply_rotary_pos_emb) if cls_forward is not None else apply_rotary_pos_emb
+    target = cls_forward or apply_rotary_pos_emb
+    assert "RotaryPosEmb" not in getattr(target, "__qualname__", ""), target
+    return fn
 
 
 def _inputs(b, hq, hk, t, d, table_batch=1, dtype=torch.float32, seed=0):
