@@ -1,0 +1,92 @@
+"""A/B of one integration feature on whole-model decode, alternating inside one process.
+
+Separate runs minutes apart disagree by 10-20 % on a shared machine; switching the feature on and
+off between rounds of the same process does not. Loads a GGUF file with `enable()`, then times
+`--rounds` rounds of (prefill, `--decode-tokens` greedy steps) with the feature off, then on, and
+prints the median ms per token of each.
+
+    python tools/ab_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature rotary
+    python tools/ab_decode.py --gguf qwen35-0.8b.Q4_K_M.gguf --feature kv-cache --prompt-tokens 1024
+
+Features:
+    kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat
+    rotary    ggml-attn's RotaryPosEmb vs transformers' apply_rotary_pos_emb (Llama-family files)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+from pathlib import Path
+
+
+def _switch_kv_cache(model):
+    from ggml_kernels_integration import kv_cache
+    from transformers.cache_utils import DynamicLayer
+
+    ours, theirs = DynamicLayer.update, kv_cache._state["original"]
+
+    def use(on: bool) -> None:
+        DynamicLayer.update = ours if on else theirs
+
+    return use
+
+
+def _switch_rotary(model):
+    import transformers.models.llama.modeling_llama as llama
+
+    rope = llama.apply_rotary_pos_emb
+    ours, theirs = rope.forward, types.MethodType(type(rope).forward, rope)
+    if "RotaryPosEmb" not in getattr(ours, "__qualname__", ""):
+        raise SystemExit("the rotary kernel is not installed on this model (a Llama-family file is needed)")
+
+    def use(on: bool) -> None:
+        rope.forward = ours if on else theirs
+
+    return use
+
+
+FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--feature", choices=list(FEATURES), required=True)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+
+    import torch
+    from ggml_kernels_integration import bench
+
+    bench.setup_transformers(kernels_on=True)
+    model, _ = bench.load_transformers_model(args.gguf, "float32")
+    use = FEATURES[args.feature](model)
+    vocab = model.config.get_text_config().vocab_size
+    runner = bench.TransformersRunner(model)
+    ids = bench.prompt_ids(args.prompt_tokens, vocab)
+    times = {False: [], True: []}
+    tokens = {}
+    with torch.inference_mode():
+        runner.decode(*runner.prefill(ids), 8)  # warm-up
+        for _ in range(args.rounds):
+            for on in (False, True):
+                use(on)
+                cache, token = runner.prefill(ids)
+                start = time.perf_counter()
+                _, token = runner.decode(cache, token, args.decode_tokens)
+                times[on].append((time.perf_counter() - start) / args.decode_tokens * 1e3)
+                tokens[on] = int(token)
+    use(True)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    print(f"{args.gguf.name}, {args.feature}, prompt {args.prompt_tokens}, {args.decode_tokens} decode steps, "
+          f"median of {args.rounds} alternating rounds: off {off:.2f} ms/token, on {on:.2f} ms/token "
+          f"({off / on:.3f}x); last greedy token off {tokens[False]}, on {tokens[True]}")
+
+
+if __name__ == "__main__":
+    main()
