@@ -8,6 +8,11 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "ggml_torch.h"
 #include "torch_binding.h"
 
@@ -109,33 +114,62 @@ constexpr int64_t kDirectDotRows = 1;
 // Q4_1 33.1 -> 30.7 us with rows ~4 KB ahead (1-8 KB alike).
 constexpr int64_t kPrefetchBytes = 4096;
 
-// out (m, out_features) = x (m, K) @ W.T with ggml-cpu's vec_dot on the quantized activations xq.
-void direct_dot_mul_mat(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
-                        at::Tensor& out) {
-  const auto vec_dot = ggml().ggml_get_type_traits_cpu(type)->vec_dot;
-  const auto* w = static_cast<const uint8_t*>(blocks.data_ptr());
-  const auto* xp = static_cast<const uint8_t*>(xq.data_ptr());
-  float* o = out.data_ptr<float>();
-  const int64_t w_stride = blocks.stride(0), x_stride = xq.stride(0), m = xq.size(0);
-  const int64_t n = out.size(1);
-  // At least ~64 KiB of weights per thread, and one contiguous run of rows each: streaming from
-  // DRAM, two long runs beat finer chunks taken from a shared counter (A/B in one process, 2
-  // threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584 Q6_K 75.0 -> 62.8 us against 8 chunks per
-  // thread; 2 per thread was in between).
-  const int64_t min_rows = std::max<int64_t>(16, (int64_t{1} << 16) / blocks.size(1));
-  const int64_t row_bytes = blocks.size(1);
-  const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
-  parallel_chunks(n, min_rows, 16, 1, [&](int64_t n0, int64_t n1) {
-    for (int64_t i = n0; i < n1; ++i) {
-      if (i + pf_rows < n1) {
-        const char* ahead = reinterpret_cast<const char*>(w + (i + pf_rows) * w_stride);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
-      }
-      for (int64_t r = 0; r < m; ++r) {
-        vec_dot(static_cast<int>(k), o + r * n + i, 0, w + i * w_stride, 0, xp + r * x_stride, 0, 1);
+// One packed weight of a one-row product: its rows, its dot product, the activation row quantized
+// to that dot product's type, and where its outputs go.
+struct DotRows {
+  const uint8_t* w;
+  int64_t stride, row_bytes, rows;
+  ggml_vec_dot_t vec_dot;
+  const uint8_t* xq;
+  float* out;
+};
+
+// Weight bytes a thread takes at least: below ~64 KiB the second thread's start and join cost more
+// than the rows it would take (a 192x576 Q4_1 projection, 69 KiB, runs on one thread).
+constexpr int64_t kMinBytesPerThread = int64_t{1} << 16;
+
+// out_w = x @ W.T for one activation row and every weight W of `dots` (each with k columns), with
+// ggml-cpu's vec_dot. The weights' rows are laid end to end and cut into one contiguous run of about
+// equal bytes per thread: streaming from DRAM, two long runs beat finer chunks taken from a shared
+// counter (A/B in one process, 2 threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584 Q6_K 75.0 ->
+// 62.8 us against 8 chunks per thread; 2 per thread was in between). Several weights that read the
+// same activations (q/k/v, gate/up) so share one parallel region, and small ones are not left to a
+// single thread. The workers run no torch code, so no thread-local state is passed to them.
+void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
+  int64_t total = 0;
+  for (const auto& d : dots) total += d.rows * d.row_bytes;
+  const int64_t threads = std::clamp<int64_t>(total / kMinBytesPerThread, 1, std::max(1, at::get_num_threads()));
+  auto run = [&](int64_t t) {  // rows whose first byte lies in [lo, hi) of the laid-out weights
+    const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+    int64_t base = 0;
+    for (const auto& d : dots) {
+      const int64_t size = d.rows * d.row_bytes;
+      const int64_t r0 = std::clamp<int64_t>((lo - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
+      const int64_t r1 = std::clamp<int64_t>((hi - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
+      base += size;
+      const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + d.row_bytes - 1) / d.row_bytes);
+      for (int64_t i = r0; i < r1; ++i) {
+        if (i + pf_rows < r1) {
+          const char* ahead = reinterpret_cast<const char*>(d.w + (i + pf_rows) * d.stride);
+          for (int64_t off = 0; off < d.row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
+        }
+        d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
       }
     }
+  };
+  if (threads == 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < threads; ++t) run(t);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run(t);
   });
+}
+
+DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, at::Tensor& out) {
+  return {static_cast<const uint8_t*>(blocks.data_ptr()), blocks.stride(0), blocks.size(1), blocks.size(0),
+          ggml().ggml_get_type_traits_cpu(type)->vec_dot, static_cast<const uint8_t*>(xq.data_ptr()),
+          out.data_ptr<float>()};
 }
 
 // (token, expert) pairs up to which mul_mat_id calls the dot products itself, as mul_mat does for
@@ -145,7 +179,7 @@ constexpr int64_t kDirectDotPairs = 16;
 
 // out (t, n_ids, n)[i, j] = W[ids[i, j]] @ x[i], ggml-cpu's vec_dot on the quantized rows xq (t, *).
 // The (pair, weight row) items are split into one contiguous run per thread, prefetched as in
-// direct_dot_mul_mat.
+// direct_dot_rows.
 void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
                            const at::Tensor& ids32, at::Tensor& out) {
   const auto vec_dot = ggml().ggml_get_type_traits_cpu(type)->vec_dot;
@@ -173,19 +207,26 @@ void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k, 
   });
 }
 
+// Checks one packed weight (N, row_bytes) of a product with x (M, K); returns its type and K.
+std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t type_id, int64_t out_features,
+                                           const at::Tensor& x, const char* name) {
+  const ggml_type type = check_storage_type(type_id);
+  check_cpu(blocks, name);
+  check_dtype(blocks, {at::kByte}, name);
+  check_dim(blocks, 2, name);
+  const int64_t k = cols_of(blocks, type, name);
+  check_packed(blocks, type, k, name);
+  TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but ", name, " has ",
+                    blocks.size(0), " rows");
+  check_activations(x, k, blocks, type);
+  return {type, k};
+}
+
 }  // namespace
 
 at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
                        int64_t out_features) {
-  const ggml_type type = check_storage_type(type_id);
-  check_cpu(blocks, "blocks");
-  check_dtype(blocks, {at::kByte}, "blocks");
-  check_dim(blocks, 2, "blocks");
-  const int64_t k = cols_of(blocks, type, "blocks");
-  check_packed(blocks, type, k, "blocks");
-  TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but blocks has ",
-                    blocks.size(0), " rows");
-  check_activations(x, k, blocks, type);
+  const auto [type, k] = check_weight(blocks, type_id, out_features, x, "blocks");
   const int64_t m = x.size(0);
   auto out = at::empty({m, out_features}, x.options().dtype(at::kFloat));
   if (m == 0 || out_features == 0) return out;
@@ -194,7 +235,7 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
   if (m <= kDirectDotRows && xq.defined() && traits->nrows == 1) {
-    direct_dot_mul_mat(blocks, type, k, xq, out);
+    direct_dot_rows({dot_rows(blocks, type, xq, out)}, k);
     return out;
   }
   const ggml_type vdt = traits->vec_dot_type;
@@ -206,6 +247,42 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
     g.compute(y, out.narrow(1, n0, n1 - n0));
   });
   return out;
+}
+
+std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tensor& x, at::IntArrayRef type_ids,
+                                          at::IntArrayRef out_features) {
+  const size_t n = blocks.size();
+  TORCH_CHECK_VALUE(n > 0, "mul_mat_group needs at least one weight");
+  TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n, " weights, ",
+                    type_ids.size(), " ggml types and ", out_features.size(), " out_features: one each");
+  std::vector<ggml_type> types(n);
+  bool direct = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kDirectDotRows;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string name = "blocks[" + std::to_string(i) + "]";
+    types[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
+    const auto* traits = ggml().ggml_get_type_traits_cpu(types[i]);
+    direct = direct && !is_float_type(types[i]) && traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1;
+  }
+  std::vector<at::Tensor> outs;
+  outs.reserve(n);
+  if (!direct) {  // several rows (or a float weight): each product on its own, as mul_mat
+    for (size_t i = 0; i < n; ++i) outs.push_back(mul_mat_cpu(blocks[i], x, type_ids[i], out_features[i]));
+    return outs;
+  }
+  // One activation row quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then every
+  // weight's rows in one parallel region.
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<std::pair<ggml_type, at::Tensor>> quantized;
+  std::vector<DotRows> dots;
+  for (size_t i = 0; i < n; ++i) {
+    const ggml_type vdt = ggml().ggml_get_type_traits_cpu(types[i])->vec_dot_type;
+    auto it = std::find_if(quantized.begin(), quantized.end(), [&](const auto& e) { return e.first == vdt; });
+    if (it == quantized.end()) it = quantized.insert(quantized.end(), {vdt, activations_for(xf, types[i])});
+    outs.push_back(at::empty({1, out_features[i]}, x.options().dtype(at::kFloat)));
+    dots.push_back(dot_rows(blocks[i], types[i], it->second, outs.back()));
+  }
+  direct_dot_rows(dots, x.size(1));
+  return outs;
 }
 
 at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,

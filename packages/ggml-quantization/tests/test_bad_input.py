@@ -54,6 +54,25 @@ def test_x_with_wrong_k(gq, w):
         gq.mul_mat_id(torch.stack([w, w]), torch.randn(2, 512), torch.zeros(2, 1, dtype=torch.int32), "Q4_K", N)
 
 
+def test_mul_mat_group_bad_input(gq, w):
+    x = torch.randn(1, K)
+    other = gq.quantize(torch.randn(4, 512), "Q4_K")  # 512 columns, x has 256
+    with pytest.raises(ValueError, match="needs at least one weight"):
+        gq.ops.mul_mat_group([], x, [], [])
+    with pytest.raises(ValueError, match="got 2 weights, 1 ggml types and 2 out_features"):
+        gq.ops.mul_mat_group([w, w], x, [12], [N, N])
+    with pytest.raises(ValueError, match=r"x has 256 features .* rows hold 512 values"):
+        gq.mul_mat_group([w, other], x, [12, 12], [N, 4])
+    with pytest.raises(ValueError, match=r"out_features=9 but blocks\[1\] has 8 rows"):
+        gq.mul_mat_group([w, w], x, [12, 12], [N, 9])
+    with pytest.raises(TypeError, match=r"blocks\[1\] must have dtype Byte"):
+        gq.mul_mat_group([w, w.view(torch.int8)], x, [12, 12], [N, N])
+    with pytest.raises(ValueError, match="unknown or unsupported ggml type id"):
+        gq.ops.mul_mat_group([w, w], x, [12, 4], [N, N])
+    with pytest.raises(TypeError, match="x must have dtype"):
+        gq.mul_mat_group([w], x.double(), [12], [N])
+
+
 def test_out_features_mismatch(gq, w):
     with pytest.raises(ValueError, match="out_features=9 but blocks has 8 rows"):
         gq.mul_mat_vec(w, torch.randn(1, K), "Q4_K", 9)

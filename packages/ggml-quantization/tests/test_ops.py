@@ -187,6 +187,54 @@ def test_mul_mat_id_many_tokens(gq):
     assert rel_err(out, gq.reference.mul_mat_id_emulated(blocks, x, ids, 12, rows)) < MATMUL_RTOL
 
 
+# weights of a layer's sibling projections: same columns, different types and row counts (a Q4_K_M
+# file's q/k in Q4_K, v in Q6_K; row counts not multiples of anything)
+GROUP_TYPES = [(12, 300), (12, 64), (14, 100), (8, 33), (3, 7), (30, 129), (0, 40)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 9])
+def test_mul_mat_group_equals_one_mul_mat_per_weight(gq, m):
+    """Bit-identical to mul_mat per weight: the same ggml dot product per output, with one activation
+    row (quantized once per dot-product type, every weight's rows in one parallel region) and with
+    several (one product per weight)."""
+    cols = 512
+    weights = [make_weights(gq, t, rows=n, cols=cols, seed=n)[0] for t, n in GROUP_TYPES]
+    types, rows = [t for t, _ in GROUP_TYPES], [n for _, n in GROUP_TYPES]
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    outs = gq.mul_mat_group(weights, x, types, rows)
+    assert len(outs) == len(weights)
+    for w, t, n, out in zip(weights, types, rows, outs, strict=True):
+        assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
+        torch.testing.assert_close(out, gq.mul_mat(w, x, t, n), rtol=0, atol=0)
+        assert rel_err(out, gq.reference.mul_mat_emulated(w, x, t, n)) < MATMUL_RTOL
+    refs = gq.reference.mul_mat_group(weights, x, types, rows)
+    for out, ref in zip(outs, refs, strict=True):
+        assert rel_err(out, ref) < 2e-2  # the reference multiplies unquantized activations
+
+
+def test_mul_mat_group_decode_shapes_and_threads(gq):
+    """(1, 1, K) activations as a decode step passes them; one and two threads agree; a single weight
+    and a weight of one row work; names and half-precision activations are accepted."""
+    cols = 576
+    weights = [make_weights(gq, 3, rows=n, cols=cols, seed=n)[0] for n in (576, 192, 192, 1)]
+    rows = [576, 192, 192, 1]
+    x = torch.randn(1, 1, cols)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gq.mul_mat_group(weights, x, ["Q4_1"] * 4, rows)
+        torch.set_num_threads(2)
+        two = gq.mul_mat_group(weights, x, [3] * 4, rows)
+    finally:
+        torch.set_num_threads(before)
+    for w, n, a, b in zip(weights, rows, one, two, strict=True):
+        assert a.shape == (1, 1, n)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, gq.mul_mat_vec(w, x, 3, n), rtol=0, atol=0)
+    (single,) = gq.mul_mat_group(weights[:1], x.bfloat16(), [3], rows[:1])
+    torch.testing.assert_close(single, gq.mul_mat_vec(weights[0], x.bfloat16(), 3, 576), rtol=0, atol=0)
+
+
 def test_thread_count_does_not_change_results(gq):
     blocks, cols = make_weights(gq, 12, rows=256)
     x = torch.randn(4, cols)
@@ -207,6 +255,8 @@ def test_empty_inputs(gq):
     assert gq.get_rows(blocks, torch.empty(0, dtype=torch.int32), 8, cols, torch.float32).shape == (0, cols)
     assert gq.dequantize(blocks[:0], 8, 0, cols, torch.float32).shape == (0, cols)
     assert gq.quantize(torch.empty(0, cols), 8).shape == (0, blocks.shape[1])
+    assert [o.shape for o in gq.mul_mat_group([blocks, blocks], torch.empty(0, cols), [8, 8], [ROWS, ROWS])] == [
+        (0, ROWS), (0, ROWS)]
     e = torch.stack([blocks, blocks])
     assert gq.mul_mat_id(e, torch.empty(0, cols), torch.empty(0, 2, dtype=torch.int32), 8, ROWS).shape == (0, 2, ROWS)
 
@@ -269,6 +319,7 @@ def test_torch_compile_fullgraph(gq):
 
     def f(x, ids):
         y = gq.mul_mat_vec(blocks, x, 12, ROWS) + gq.mul_mat(blocks, x, 12, ROWS)
+        y = y + sum(gq.mul_mat_group([blocks, blocks], x, [12, 12], [ROWS, ROWS]))
         z = gq.mul_mat_id(experts, x, ids, 12, ROWS).sum(1)
         e = gq.get_rows(blocks, ids[:, 0], 12, cols, torch.float32)
         return y + z, e + gq.dequantize(blocks, 12, ROWS, cols, torch.float32)[:1]

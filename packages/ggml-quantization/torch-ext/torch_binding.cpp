@@ -8,6 +8,9 @@ GGML_KERNELS_LIBRARY(m) {
   // run the same kernel; mul_mat_vec is the one transformers calls (M <= 8).
   m.def("mul_mat(Tensor blocks, Tensor x, int ggml_type, int out_features) -> Tensor");
   m.def("mul_mat_vec(Tensor blocks, Tensor x, int ggml_type, int out_features) -> Tensor");
+  // Several packed weights that read the same activations (q/k/v, gate/up): one (M, N_i) float32
+  // product each, as mul_mat; one activation row shares one quantization and one parallel region.
+  m.def("mul_mat_group(Tensor[] blocks, Tensor x, int[] ggml_types, int[] out_features) -> Tensor[]");
   // Experts (E, N, row_bytes), x (T, K), ids (T, n_ids) -> (T, n_ids, N) float32.
   m.def("mul_mat_id(Tensor blocks, Tensor x, Tensor ids, int ggml_type, int out_features) -> Tensor");
   m.def("dequantize(Tensor blocks, int ggml_type, int rows, int cols, ScalarType dtype) -> Tensor");
@@ -18,6 +21,7 @@ GGML_KERNELS_LIBRARY(m) {
 GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
   m.impl("mul_mat", &mul_mat_cpu);
   m.impl("mul_mat_vec", &mul_mat_cpu);
+  m.impl("mul_mat_group", &mul_mat_group_cpu);
   m.impl("mul_mat_id", &mul_mat_id_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("get_rows", &get_rows_cpu);

@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 // CPU backend (ggml_quantization_cpu/quantization_cpu.cpp).
 at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ggml_type,
                        int64_t out_features);
+std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tensor& x,
+                                          at::IntArrayRef ggml_types, at::IntArrayRef out_features);
 at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
                           int64_t ggml_type, int64_t out_features);
 at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t ggml_type, int64_t rows, int64_t cols,

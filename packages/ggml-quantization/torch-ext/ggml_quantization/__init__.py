@@ -28,6 +28,7 @@ __all__ = [
     "info",
     "layers",
     "mul_mat",
+    "mul_mat_group",
     "mul_mat_id",
     "mul_mat_vec",
     "quantize",
@@ -63,6 +64,17 @@ def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int)
     x `(..., K)` -> `(..., out_features)` float32."""
     out = ops.mul_mat(blocks, _flatten(x), type_id(ggml_type), int(out_features))
     return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+
+
+def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_features) -> list[torch.Tensor]:
+    """`[x @ W.T for W in blocks]` for several packed weights that read the same activations (a layer's
+    q/k/v or gate/up projections); weights may differ in type and rows, not in columns. x `(..., K)` ->
+    one `(..., out_features[i])` float32 tensor per weight, each equal to `mul_mat` of that weight.
+    For one activation row (a decode step) the row is quantized once per dot-product type and all the
+    weights' rows are split over the threads together, in one call instead of one per weight."""
+    types = [type_id(t) for t in ggml_types]
+    outs = ops.mul_mat_group(list(blocks), _flatten(x), types, [int(n) for n in out_features])
+    return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs] if x.dim() != 2 else outs
 
 
 def mul_mat_id(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
@@ -103,6 +115,12 @@ def _mul_mat_fake(blocks, x, ggml_type, out_features):
 def _mul_mat_vec_fake(blocks, x, ggml_type, out_features):
     same_device("mul_mat_vec", blocks=blocks, x=x)
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("mul_mat_group"))
+def _mul_mat_group_fake(blocks, x, ggml_types, out_features):
+    same_device("mul_mat_group", x=x, **{f"blocks[{i}]": b for i, b in enumerate(blocks)})
+    return [x.new_empty((x.shape[0], n), dtype=torch.float32) for n in out_features]
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_id"))

@@ -600,6 +600,11 @@ def mul_mat_vec(blocks: Tensor, x: Tensor, ggml_type, out_features: int) -> Tens
     return mul_mat(blocks, x, ggml_type, out_features)
 
 
+def mul_mat_group(blocks: list[Tensor], x: Tensor, ggml_types, out_features) -> list[Tensor]:
+    """One mul_mat per weight, all on the same activations x (M, K)."""
+    return [mul_mat(b, x, t, n) for b, t, n in zip(blocks, ggml_types, out_features, strict=True)]
+
+
 def mul_mat_id(blocks: Tensor, x: Tensor, ids: Tensor, ggml_type, out_features: int) -> Tensor:
     """Mixture-of-experts product: blocks (E, N, row_bytes) holds E packed weights, x (T, K),
     ids int (T, n_ids) -> float32 (T, n_ids, N) with out[t, j] = W[ids[t, j]] @ x[t]."""
