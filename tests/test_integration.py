@@ -131,6 +131,7 @@ print("RESULT" + json.dumps(res))
 """
 
 COMMON_OPS = ("_ggml_quantization::get_rows", "_ggml_quantization::mul_mat", "_ggml_quantization::mul_mat_vec",
+              "_ggml_quantization::mul_mat_group",
               "_ggml_norm::rms_norm", "_ggml_attn::flash_attn")
 QWEN35_OPS = ("_ggml_gated_delta_net::gated_delta_net", "_ggml_gated_delta_net::causal_conv1d")
 MOE_OPS = ("_topk::top_k", "_ggml_quantization::mul_mat_id")

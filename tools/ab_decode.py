@@ -11,6 +11,8 @@ prints the median ms per token of each.
 Features:
     kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat
     rotary    ggml-attn's RotaryPosEmb vs transformers' apply_rotary_pos_emb (Llama-family files)
+    linear    ggml_kernels_integration.projection_groups' GgufLinear.forward (sibling projections in
+              one mul_mat_group call, other decode linears on the op directly) vs transformers' own
 """
 
 from __future__ import annotations
@@ -48,7 +50,21 @@ def _switch_rotary(model):
     return use
 
 
-FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary}
+def _switch_linear(model):
+    from ggml_kernels_integration import projection_groups
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    ours, theirs = GgufLinear.forward, projection_groups._state["original"]
+    if not any(projection_groups.GROUP_ATTR in m.__dict__ for m in model.modules()):
+        raise SystemExit("no projection groups were installed on this model")
+
+    def use(on: bool) -> None:
+        GgufLinear.forward = ours if on else theirs
+
+    return use
+
+
+FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear}
 
 
 def main() -> None:

@@ -33,24 +33,32 @@ def _capacity(needed: int) -> int:
 def _append(layer, name: str, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """`torch.cat([current, new], dim=-2)` as a view of the layer's buffer `name`."""
     buffers = layer.__dict__.setdefault("_ggml_kernels_kv_buffers", {})
-    buffer = buffers.get(name)
-    length, added = current.shape[-2] if current.dim() == new.dim() else 0, new.shape[-2]
-    in_buffer = (
-        buffer is not None
-        and length > 0
-        and current.data_ptr() == buffer.data_ptr()
-        and current.dtype == buffer.dtype
-        and current.shape[:-2] == buffer.shape[:-2]
-        and current.shape[-1] == buffer.shape[-1]
-        and current.stride() == buffer.stride()
-    )
-    if not in_buffer or length + added > buffer.shape[-2]:
+    buffer, returned = buffers.get(name, (None, None))
+    added = new.shape[-2]
+    if current is returned:  # the view this function returned last (a decode step): in the buffer
+        length = current.shape[-2]
+    else:
+        length = current.shape[-2] if current.dim() == new.dim() else 0
+        in_buffer = (
+            buffer is not None
+            and length > 0
+            and current.data_ptr() == buffer.data_ptr()
+            and current.dtype == buffer.dtype
+            and current.shape[:-2] == buffer.shape[:-2]
+            and current.shape[-1] == buffer.shape[-1]
+            and current.stride() == buffer.stride()
+        )
+        if not in_buffer:
+            buffer = None
+    if buffer is None or length + added > buffer.shape[-2]:
         grown = new.new_empty((*new.shape[:-2], _capacity(length + added), new.shape[-1]))
         if length:
             grown[..., :length, :].copy_(current)
-        buffers[name] = buffer = grown
+        buffer = grown
     buffer[..., length : length + added, :].copy_(new)
-    return buffer[..., : length + added, :]
+    view = buffer[..., : length + added, :]
+    buffers[name] = (buffer, view)
+    return view
 
 
 def install() -> None:

@@ -1,0 +1,147 @@
+"""Sibling projections that read the same activations run as one kernel call in decode steps.
+
+A decoder layer calls several packed linears on one tensor, one after the other: an attention
+block's q/k/v projections, an MLP's gate/up, a Qwen3.5 linear-attention block's in_proj_qkv/z/b/a.
+On a decode step each call is a small mat-vec whose fixed costs (Python and dispatch, quantizing the
+activation row, starting and joining the second thread) are a good part of it, and a 192-row key
+projection is too small to be worth a second thread at all. ggml-quantization's `mul_mat_group` does
+all of a layer's siblings in one call: one quantization per dot-product type and one parallel region
+over all their rows (bit-identical to separate `mul_mat_vec` calls).
+
+`install(model)` (run by `enable()` after a GGUF model's weights are loaded) gives every such group of
+`GgufLinear` modules a shared `ProjectionGroup`; nothing else in the model changes. When the first
+sibling is called with at most `MAX_GEMV_ROWS` rows, the group computes every sibling's output and
+keeps the others' until they are asked for. A sibling gets a kept output only if it is called with
+the very same tensor object (`is`) and, for tensors that track one, the same version counter (no
+in-place change in between); anything else (another input, a prefill, torch.compile tracing) runs
+the module's own forward, and siblings with a bias or an input permutation are not grouped. Groups are only formed in the layer classes
+listed in `SIBLINGS`, whose forward (transformers 5.22.2 and our layer kernels) calls the siblings
+back to back on one unchanged tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# layer class name -> its sibling projections, in the order the layer's forward calls them
+SIBLINGS: dict[str, tuple[str, ...]] = {
+    "LlamaAttention": ("q_proj", "k_proj", "v_proj"),
+    "LlamaMLP": ("gate_proj", "up_proj"),
+    "Qwen3_5Attention": ("q_proj", "k_proj", "v_proj"),
+    "Qwen3_5MLP": ("gate_proj", "up_proj"),
+    "Qwen3_5GatedDeltaNet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "Qwen3_5MoeAttention": ("q_proj", "k_proj", "v_proj"),
+    "Qwen3_5MoeMLP": ("gate_proj", "up_proj"),
+    "Qwen3_5MoeGatedDeltaNet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+}
+GROUP_ATTR = "_ggml_kernels_projection_group"
+
+_state: dict = {}
+
+
+def _version(x: torch.Tensor) -> int | None:
+    # inference tensors keep no version counter (asking raises, and an exception costs ~10 us)
+    return None if x.is_inference() else x._version
+
+
+class ProjectionGroup:
+    """The `GgufLinear` siblings of one layer, and the outputs computed for them ahead of their call."""
+
+    def __init__(self, members: list, max_rows: int):
+        self.members = members
+        self.max_rows = max_rows
+        self.ggml_types = [m.ggml_type for m in members]
+        self.out_features = [m.out_features for m in members]
+        self.source: torch.Tensor | None = None
+        self.source_version: int | None = None
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def forward(self, member, x: torch.Tensor) -> torch.Tensor | None:
+        """`member`'s output for `x`, or None where the module's own forward has to run."""
+        if self.source is not None:
+            if x is self.source and id(member) in self.kept and _version(x) == self.source_version:
+                out = self.kept.pop(id(member))
+                if not self.kept:
+                    self.source = None
+                return out
+            self.source, self.kept = None, {}
+        in_features = member.in_features
+        if x.shape[-1] != in_features or x.numel() > self.max_rows * in_features or x.device.type != "cpu":
+            return None
+        outs = _state["mul_mat_group"](
+            [m.weight for m in self.members], x.reshape(-1, in_features), self.ggml_types, self.out_features
+        )
+        lead = x.shape[:-1]
+        result = None
+        for m, out in zip(self.members, outs, strict=True):
+            out = out.view(*lead, m.out_features)
+            out = out if out.dtype == x.dtype else out.to(x.dtype)
+            if m is member:
+                result = out
+            else:
+                self.kept[id(m)] = out
+        if self.kept:
+            self.source, self.source_version = x, _version(x)
+        return result
+
+
+def install(model) -> int:
+    """Give the `GgufLinear` siblings of every layer in `SIBLINGS` a shared group; returns how many groups."""
+    from transformers.integrations.gguf.kernels import MAX_GEMV_ROWS
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    groups = 0
+    for module in model.modules():
+        names = SIBLINGS.get(type(module).__name__)
+        if names is None:
+            continue
+        members = [getattr(module, name, None) for name in names]
+        if (
+            any(type(m) is not GgufLinear for m in members)
+            or len({m.in_features for m in members}) != 1
+            or any(m.bias is not None or m.input_permutation is not None for m in members)
+        ):
+            continue
+        group = ProjectionGroup(members, MAX_GEMV_ROWS)
+        for m in members:
+            m.__dict__[GROUP_ATTR] = group  # a plain attribute: not a submodule, not in the state dict
+        groups += 1
+    return groups
+
+
+def patch_forward(quant) -> None:
+    """Make `GgufLinear.forward` ask its group first (once per process), and run a CPU decode step of
+    an ungrouped module on the kernel op directly: the same op transformers' forward reaches through
+    three Python wrappers (its `mul_mat_vec`, the resolved kernel's, the package's)."""
+    from transformers.integrations.gguf.kernels import MAX_GEMV_ROWS
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    if _state.get("patched"):
+        return
+    original = GgufLinear.forward
+    mul_mat_vec = quant.ops.mul_mat_vec.default
+    _state.update(quant=quant, original=original, mul_mat_group=quant.ops.mul_mat_group.default)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return original(self, x)
+        group = self.__dict__.get(GROUP_ATTR)
+        if group is not None:
+            out = group.forward(self, x)
+            if out is not None:
+                return out
+        in_features = self.in_features
+        if (
+            x.dtype == torch.float32
+            and x.numel() <= MAX_GEMV_ROWS * in_features
+            and x.shape[-1] == in_features
+            and self.bias is None
+            and self.input_permutation is None
+            and x.device.type == "cpu"
+        ):
+            out = mul_mat_vec(self.weight, x.reshape(-1, in_features), self.ggml_type, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
+        return original(self, x)
+
+    GgufLinear.forward = forward
+    _state["patched"] = True

@@ -1,0 +1,171 @@
+"""A layer's sibling projections in one kernel call (`ggml_kernels_integration.projection_groups`):
+each sibling gets exactly what transformers' own `GgufLinear.forward` computes for its input, the
+shared call happens only for the layers and inputs it is made for, and anything else falls back to
+the module's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ggml_kernels_integration import projection_groups
+from kernel_testing import load_kernel
+from torch import nn
+
+K = 256
+
+
+@pytest.fixture(scope="module")
+def quant():
+    """The kernel package, with GgufLinear.forward patched as enable() patches it; transformers' own
+    forward is put back afterwards unless something in this process had patched it before."""
+    from transformers.integrations.gguf import kernels as gguf_kernels
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    patched_before = projection_groups._state.get("patched", False)
+    resolved_before = gguf_kernels._gguf_kernel
+    quant = load_kernel("ggml-org/ggml-quantization")
+    gguf_kernels._gguf_kernel = gguf_kernels.GgufKernel(quant)  # what transformers' own forward calls
+    projection_groups.patch_forward(quant)
+    assert GgufLinear.forward is not projection_groups._state["original"]
+    yield quant
+    gguf_kernels._gguf_kernel = resolved_before
+    if not patched_before:
+        GgufLinear.forward = projection_groups._state["original"]
+        projection_groups._state.clear()
+
+
+def own_forward(module, x):
+    """transformers' GgufLinear.forward, which never looks at a group."""
+    return projection_groups._state["original"](module, x)
+
+
+def linear(quant, out_features, ggml_type="Q4_K", seed=0, bias=False):
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    t = quant.type_id(ggml_type)
+    module = GgufLinear(K, out_features, t, bias=bias)
+    w = torch.randn(out_features, K, generator=torch.Generator().manual_seed(seed))
+    module.weight.data = quant.quantize(w, t)
+    if bias:
+        module.bias.data = torch.randn(out_features)
+    return module
+
+
+# Stand-ins named like the layer classes `SIBLINGS` lists (only the names and children matter).
+class LlamaAttention(nn.Module):
+    def __init__(self, quant, **kwargs):
+        super().__init__()
+        self.q_proj = linear(quant, 96, "Q4_K", 1, **kwargs)
+        self.k_proj = linear(quant, 32, "Q4_K", 2)
+        self.v_proj = linear(quant, 32, "Q6_K", 3)  # a Q4_K_M file keeps v in Q6_K
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, quant, **kwargs):
+        super().__init__()
+        self.gate_proj = linear(quant, 64, "Q4_K", 4)
+        self.up_proj = linear(quant, 64, "Q4_K", 5, **kwargs)
+
+
+class UnlistedAttention(LlamaAttention):
+    pass
+
+
+def our_calls(fn) -> dict[str, int]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key.split("::")[1]: e.count for e in prof.key_averages() if e.key.startswith("_ggml_quantization")}
+
+
+def test_install_groups_only_listed_layers_without_bias(quant):
+    model = nn.ModuleList([LlamaAttention(quant), LlamaMLP(quant), UnlistedAttention(quant), LlamaMLP(quant, bias=True)])
+    assert projection_groups.install(model) == 2
+    group = model[0].q_proj.__dict__[projection_groups.GROUP_ATTR]
+    assert group.members == [model[0].q_proj, model[0].k_proj, model[0].v_proj]
+    assert model[1].up_proj.__dict__[projection_groups.GROUP_ATTR].members == [model[1].gate_proj, model[1].up_proj]
+    for module in (model[2].q_proj, model[3].gate_proj, model[3].up_proj):
+        assert projection_groups.GROUP_ATTR not in module.__dict__
+    # a plain attribute: not a submodule, not in the state dict
+    assert set(model.state_dict()) == {n for n, _ in model.named_parameters()}
+    assert all("group" not in n for n, _ in model.named_modules())
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_siblings_get_their_own_outputs_from_one_call(quant, inference):
+    attn = LlamaAttention(quant)
+    projection_groups.install(attn)
+    x = torch.randn(1, 1, K)
+    with torch.inference_mode(inference), torch.no_grad():
+        want = [own_forward(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        got = []
+        calls = our_calls(lambda: got.extend([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]))
+    assert calls == {"mul_mat_group": 1}
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape == (1, 1, w.shape[-1])
+        torch.testing.assert_close(g, w, rtol=0, atol=0)  # the same ggml dot products
+
+
+def test_any_member_first_and_a_repeated_call(quant):
+    mlp = LlamaMLP(quant)
+    projection_groups.install(mlp)
+    x = torch.randn(1, K)
+    with torch.inference_mode():
+        up, gate = mlp.up_proj(x), mlp.gate_proj(x)  # called in the other order
+        again = mlp.gate_proj(x)  # a second call of the same member computes again
+    torch.testing.assert_close(up, own_forward(mlp.up_proj, x), rtol=0, atol=0)
+    torch.testing.assert_close(gate, own_forward(mlp.gate_proj, x), rtol=0, atol=0)
+    torch.testing.assert_close(again, gate, rtol=0, atol=0)
+
+
+def test_another_input_is_computed_not_taken_from_the_group(quant):
+    attn = LlamaAttention(quant)
+    projection_groups.install(attn)
+    x1, x2 = torch.randn(1, 1, K), torch.randn(1, 1, K)
+    with torch.inference_mode():
+        attn.q_proj(x1)
+        k2 = attn.k_proj(x2)  # kept k(x1) must not be returned
+        v1 = attn.v_proj(x1)  # the group was dropped by the call above: computed again, correctly
+        k_same_values = attn.k_proj(x1.clone())  # equal values, another tensor: computed
+    torch.testing.assert_close(k2, own_forward(attn.k_proj, x2), rtol=0, atol=0)
+    assert not torch.equal(k2, own_forward(attn.k_proj, x1))
+    torch.testing.assert_close(v1, own_forward(attn.v_proj, x1), rtol=0, atol=0)
+    torch.testing.assert_close(k_same_values, own_forward(attn.k_proj, x1), rtol=0, atol=0)
+
+
+def test_in_place_change_between_siblings_is_seen(quant):
+    """Tensors outside inference mode carry a version counter: an in-place change after the first
+    sibling's call makes the next one compute on the changed values."""
+    mlp = LlamaMLP(quant)
+    projection_groups.install(mlp)
+    x = torch.randn(1, K)
+    with torch.no_grad():
+        mlp.gate_proj(x)
+        x.mul_(3.0)
+        up = mlp.up_proj(x)
+    torch.testing.assert_close(up, own_forward(mlp.up_proj, x), rtol=0, atol=0)
+
+
+def test_prefill_rows_run_the_modules_own_forward(quant):
+    attn = LlamaAttention(quant)
+    projection_groups.install(attn)
+    x = torch.randn(1, 16, K)  # more rows than a decode step: transformers' mul_mat path per module
+    with torch.inference_mode():
+        got = []
+        calls = our_calls(lambda: got.extend([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]))
+        want = [own_forward(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert "mul_mat_group" not in calls
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_batch_of_decode_rows_is_grouped(quant):
+    """Up to MAX_GEMV_ROWS rows (a batched decode step) share one call too."""
+    mlp = LlamaMLP(quant)
+    projection_groups.install(mlp)
+    x = torch.randn(3, 1, K)
+    with torch.inference_mode():
+        got = []
+        calls = our_calls(lambda: got.extend([mlp.gate_proj(x), mlp.up_proj(x)]))
+    assert calls == {"mul_mat_group": 1}
+    for g, m in zip(got, (mlp.gate_proj, mlp.up_proj), strict=True):
+        torch.testing.assert_close(g, own_forward(m, x), rtol=0, atol=0)
