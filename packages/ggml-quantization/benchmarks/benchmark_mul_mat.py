@@ -76,6 +76,51 @@ class MulMat(_PackedProduct, Benchmark):
     """Prefill: mul_mat on the packed weight, no dense copy."""
 
 
+class MulMatGroup(Benchmark):
+    """Decode: a layer's sibling projections, which read the same activations, in one mul_mat_group
+    call (Qwen3.5-0.8B shapes, Q4_K_M types). The timed call includes concatenating the outputs into
+    one tensor, which the runner compares with the reference."""
+
+    seed = 0
+
+    def _setup(self, parts: list[tuple[str, int]], k: int, m: int) -> None:
+        gen = torch.Generator().manual_seed(k + m + len(parts))
+        self.types, self.rows = [t for t, _ in parts], [n for _, n in parts]
+        self.blocks, dense, rounded = [], [], []
+        x = torch.randn(m, k, generator=gen)
+        for type_name, n in parts:
+            blocks = self.kernel.quantize(torch.randn(n, k, generator=gen) / k**0.5, type_name)
+            self.blocks.append(blocks)
+            dense.append(self.kernel.dequantize(blocks, type_name, n, k, torch.float32))
+            rounded.append(_round_like_ggml(x, self.kernel.type_info(type_name).vec_dot_type.name))
+        self.x, self.dense, self.rounded = x, dense, rounded
+        self.out = torch.empty(m, sum(self.rows))
+
+    def _bench(self) -> None:
+        self.out = torch.cat(self.kernel.mul_mat_group(self.blocks, self.x, self.types, self.rows), -1)
+
+    def _verify(self) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.linear(x, w) for x, w in zip(self.rounded, self.dense, strict=True)], -1)
+
+    def setup_attn_qkv_m1(self):
+        self._setup([("Q4_K", 4096), ("Q4_K", 512), ("Q6_K", 512)], 1024, 1)
+
+    def benchmark_attn_qkv_m1(self):
+        self._bench()
+
+    def verify_attn_qkv_m1(self):
+        return self._verify()
+
+    def setup_mlp_gate_up_m1(self):
+        self._setup([("Q4_K", 3584), ("Q4_K", 3584)], 1024, 1)
+
+    def benchmark_mlp_gate_up_m1(self):
+        self._bench()
+
+    def verify_mlp_gate_up_m1(self):
+        return self._verify()
+
+
 def _add(cls, op: str, type_name: str, n: int, k: int, m: int) -> None:
     name = f"{type_name.lower()}_{n}x{k}_m{m}"
 
