@@ -15,6 +15,7 @@
   packed tables (get_rows) and prefill matmuls on packed weights (mul_mat), so no weight is ever
   unpacked to a dense copy;
 - lets CPU key/value caches grow in place instead of being re-copied every step (see `kv_cache`);
+- reads a GGUF's config without a numpy object per vocabulary entry (see `lean_metadata`);
 - runs a layer's sibling projections (q/k/v, gate/up, ...) as one kernel call in decode steps (see
   `projection_groups`), and hands the memory the load freed back to the system.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import tomllib
 import torch
 
-from . import archs, kv_cache, projection_groups
+from . import archs, kv_cache, lean_metadata, projection_groups
 from .validate import GgufFileError, GgufSummary, check_gguf
 
 __all__ = ["GgufFileError", "GgufSummary", "builds", "check_gguf", "enable"]
@@ -114,6 +115,9 @@ def enable() -> None:
 
     # Decode steps append to the key/value cache in place instead of re-copying it (see kv_cache).
     kv_cache.install()
+
+    # Config reads parse the tokenizer's arrays without a numpy view per entry (see lean_metadata).
+    lean_metadata.install()
 
     # A damaged or unsupported file fails on its first header read (the config's), in one clear
     # sentence, before a model is built (see `validate`).
