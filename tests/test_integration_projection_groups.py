@@ -169,3 +169,33 @@ def test_a_batch_of_decode_rows_is_grouped(quant):
     assert calls == {"mul_mat_group": 1}
     for g, m in zip(got, (mlp.gate_proj, mlp.up_proj), strict=True):
         torch.testing.assert_close(g, own_forward(m, x), rtol=0, atol=0)
+
+
+def test_threads_keep_their_own_outputs(quant):
+    """Outputs kept for one thread are not handed to, nor dropped by, another thread's calls."""
+    import threading
+
+    attn = LlamaAttention(quant)
+    projection_groups.install(attn)
+    x1, x2 = torch.randn(1, 1, K), torch.randn(1, 1, K)
+    got = {}
+
+    def run(name, fn):
+        def body():
+            with torch.inference_mode():
+                got[name] = fn()
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+
+    with torch.inference_mode():
+        attn.q_proj(x1)  # this thread now keeps k(x1) and v(x1)
+    run("other", lambda: (attn.q_proj(x2), attn.k_proj(x2), attn.v_proj(x2)))
+    with torch.inference_mode():
+        calls = our_calls(lambda: got.update(k1=attn.k_proj(x1), v1=attn.v_proj(x1)))
+    assert calls == {}  # both taken from what this thread kept
+    torch.testing.assert_close(got["k1"], own_forward(attn.k_proj, x1), rtol=0, atol=0)
+    torch.testing.assert_close(got["v1"], own_forward(attn.v_proj, x1), rtol=0, atol=0)
+    for out, m in zip(got["other"], (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
+        torch.testing.assert_close(out, own_forward(m, x2), rtol=0, atol=0)

@@ -14,12 +14,15 @@ sibling is called with at most `MAX_GEMV_ROWS` rows, the group computes every si
 keeps the others' until they are asked for. A sibling gets a kept output only if it is called with
 the very same tensor object (`is`) and, for tensors that track one, the same version counter (no
 in-place change in between); anything else (another input, a prefill, torch.compile tracing) runs
-the module's own forward, and siblings with a bias or an input permutation are not grouped. Groups are only formed in the layer classes
+the module's own forward, and siblings with a bias or an input permutation are not grouped. Kept
+outputs belong to the thread that computed them. Groups are only formed in the layer classes
 listed in `SIBLINGS`, whose forward (transformers 5.22.2 and our layer kernels) calls the siblings
 back to back on one unchanged tensor.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -45,26 +48,28 @@ def _version(x: torch.Tensor) -> int | None:
 
 
 class ProjectionGroup:
-    """The `GgufLinear` siblings of one layer, and the outputs computed for them ahead of their call."""
+    """The `GgufLinear` siblings of one layer, and the outputs computed for them ahead of their call.
+
+    What is kept lives per thread: two threads decoding with one model never see each other's."""
 
     def __init__(self, members: list, max_rows: int):
         self.members = members
         self.max_rows = max_rows
         self.ggml_types = [m.ggml_type for m in members]
         self.out_features = [m.out_features for m in members]
-        self.source: torch.Tensor | None = None
-        self.source_version: int | None = None
-        self.kept: dict[int, torch.Tensor] = {}
+        self._thread = threading.local()  # .kept: (source tensor, its version, {id(member): output})
 
     def forward(self, member, x: torch.Tensor) -> torch.Tensor | None:
         """`member`'s output for `x`, or None where the module's own forward has to run."""
-        if self.source is not None:
-            if x is self.source and id(member) in self.kept and _version(x) == self.source_version:
-                out = self.kept.pop(id(member))
-                if not self.kept:
-                    self.source = None
+        kept = getattr(self._thread, "kept", None)
+        if kept is not None:
+            source, version, outputs = kept
+            out = outputs.pop(id(member), None) if x is source and _version(x) == version else None
+            if out is not None:
+                if not outputs:
+                    self._thread.kept = None
                 return out
-            self.source, self.kept = None, {}
+            self._thread.kept = None
         in_features = member.in_features
         if x.shape[-1] != in_features or x.numel() > self.max_rows * in_features or x.device.type != "cpu":
             return None
@@ -72,16 +77,16 @@ class ProjectionGroup:
             [m.weight for m in self.members], x.reshape(-1, in_features), self.ggml_types, self.out_features
         )
         lead = x.shape[:-1]
-        result = None
+        result, outputs = None, {}
         for m, out in zip(self.members, outs, strict=True):
             out = out.view(*lead, m.out_features)
             out = out if out.dtype == x.dtype else out.to(x.dtype)
             if m is member:
                 result = out
             else:
-                self.kept[id(m)] = out
-        if self.kept:
-            self.source, self.source_version = x, _version(x)
+                outputs[id(m)] = out
+        if outputs:
+            self._thread.kept = (x, _version(x), outputs)
         return result
 
 
