@@ -38,7 +38,7 @@ namespace ggml_kernels {
   X(ggml_softplus) X(ggml_exp) X(ggml_concat) X(ggml_transpose) X(ggml_sqr) X(ggml_sqrt) X(ggml_neg)  \
   X(ggml_soft_max) X(ggml_scale_bias) X(ggml_clamp) X(ggml_swiglu_split) X(ggml_cumsum)            \
   X(ggml_set_rows) X(ggml_pad) X(ggml_dup) X(ggml_cont_2d) X(ggml_cont_3d) X(ggml_cont_4d)          \
-  X(ggml_view_tensor) X(ggml_arange) X(ggml_fill) X(ggml_get_first_tensor)                       \
+  X(ggml_view_tensor) X(ggml_arange) X(ggml_fill) X(ggml_get_first_tensor) X(ggml_get_next_tensor) \
   X(ggml_flash_attn_ext_add_sinks)
 
 struct GgmlApi {

@@ -101,6 +101,9 @@ ggml_type ggml_type_of(at::ScalarType dtype) {
 
 namespace {
 thread_local std::vector<uint8_t> t_ctx_buffer;
+// Intermediate results of up to this many bytes in all come from t_scratch (see Graph::run).
+constexpr size_t kScratchBytes = size_t{1} << 16;
+thread_local std::vector<uint8_t> t_scratch;
 }
 
 Graph::Graph(int max_tensors) : graph_size_(std::max(16, max_tensors)) {
@@ -163,7 +166,6 @@ ggml_tensor* Graph::raw(ggml_type type, const void* data, const int64_t (&ne)[4]
 }
 
 void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
-  const auto& G = ggml();
   const int nd = static_cast<int>(dst.dim());
   bool same = nd >= 1 && nd <= 4 && ggml_type_of(dst.scalar_type()) == result->type &&
               (dst.stride(-1) == 1 || dst.size(-1) == 1);
@@ -174,14 +176,49 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
   for (int i = 1; i < nd; ++i) result->nb[i] = static_cast<size_t>(dst.stride(nd - 1 - i) * es);
   for (int i = std::max(nd, 1); i < 4; ++i) result->nb[i] = result->nb[i - 1] * result->ne[i - 1];
   result->data = dst.data_ptr();
+  run(result, n_threads);
+}
+
+void Graph::compute(ggml_tensor* result, void* dst, const size_t (&nb)[4], int n_threads) {
+  for (int i = 0; i < 4; ++i) result->nb[i] = nb[i];
+  result->data = dst;
+  run(result, n_threads);
+}
+
+void Graph::run(ggml_tensor* result, int n_threads) {
+  const auto& G = ggml();
+  // Building a graph names every unnamed tensor with snprintf ("leaf_%d", "node_%d"), ~0.2 us each:
+  // a quarter of a decode step's norm. Nothing here reads the names; a one-letter one skips that.
+  for (ggml_tensor* t = G.ggml_get_first_tensor(ctx_); t != nullptr; t = G.ggml_get_next_tensor(ctx_, t)) {
+    if (t->name[0] == '\0') {
+      t->name[0] = 't';
+      t->name[1] = '\0';
+    }
+  }
   ggml_cgraph* graph = G.ggml_new_graph_custom(ctx_, graph_size_, false);
   G.ggml_build_forward_expand(graph, result);
   const int n = G.ggml_graph_n_nodes(graph);
-  for (int i = 0; i < n; ++i) {  // give every intermediate result memory, in graph order
+  // Intermediate results get memory in graph order: small ones (a decode step's) from this thread's
+  // scratch buffer, which like the context buffer serves one graph at a time, instead of an
+  // allocation each; big ones (prefill) as torch tensors that live as long as this Graph.
+  size_t scratch = 0;
+  for (int i = 0; i < n; ++i) {
+    const ggml_tensor* node = G.ggml_graph_node(graph, i);
+    if (node->data == nullptr && node->view_src == nullptr) scratch += (G.ggml_nbytes(node) + 63) / 64 * 64;
+  }
+  // (continuing after what an earlier compute of this Graph took: its nodes may be read again)
+  const bool use_scratch = scratch_used_ + scratch <= kScratchBytes;
+  if (use_scratch && t_scratch.size() < kScratchBytes + 64) t_scratch.resize(kScratchBytes + 64);  // never moves after
+  uintptr_t next = ((reinterpret_cast<uintptr_t>(t_scratch.data()) + 63) & ~uintptr_t(63)) + scratch_used_;
+  if (use_scratch) scratch_used_ += scratch;
+  for (int i = 0; i < n; ++i) {
     ggml_tensor* node = G.ggml_graph_node(graph, i);
     if (node->data != nullptr) continue;
     if (node->view_src != nullptr) {
       node->data = static_cast<char*>(node->view_src->data) + node->view_offs;
+    } else if (use_scratch) {
+      node->data = reinterpret_cast<void*>(next);
+      next += (G.ggml_nbytes(node) + 63) / 64 * 64;
     } else {
       keep_alive_.push_back(at::empty({static_cast<int64_t>(G.ggml_nbytes(node)) + 64}, at::kByte));
       const auto addr = reinterpret_cast<uintptr_t>(keep_alive_.back().data_ptr());
@@ -193,6 +230,39 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
   } else {
     compute_graph(graph);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows
+
+Rows::Rows(const at::Tensor& t) : n_(t.dim() == 0 ? 1 : t.size(-1)) {
+  rows_ = n_ == 0 ? 0 : t.numel() / n_;
+  if (t.is_contiguous()) {
+    keep_ = t;
+  } else {
+    at::Tensor t2 = t.reshape({rows_, n_});
+    keep_ = t2.stride(1) == 1 || n_ == 1 ? t2 : t2.contiguous();
+  }
+  type_ = ggml_type_of(keep_.scalar_type());
+  es_ = static_cast<size_t>(keep_.element_size());
+  stride_ = (keep_.is_contiguous() || keep_.dim() < 2 ? static_cast<size_t>(n_) : static_cast<size_t>(keep_.stride(0))) * es_;
+  data_ = static_cast<char*>(keep_.data_ptr());
+}
+
+ggml_tensor* Rows::view(Graph& g, int64_t r0, int64_t r1) const {
+  const int64_t m = r1 - r0;
+  return g.raw(type_, data_ + static_cast<size_t>(r0) * stride_, {n_, m, 1, 1},
+               {es_, stride_, stride_ * static_cast<size_t>(m), stride_ * static_cast<size_t>(m)});
+}
+
+void Rows::compute(Graph& g, ggml_tensor* result, int64_t r0, int64_t r1) const {
+  const int64_t m = r1 - r0;
+  TORCH_CHECK(result->type == type_ && result->ne[0] == n_ && result->ne[1] == m && result->ne[2] == 1 &&
+                  result->ne[3] == 1,
+              "ggml-kernels: a graph result does not match its ", m, " output rows of ", n_);
+  if (m == 0 || n_ == 0) return;
+  g.compute(result, data_ + static_cast<size_t>(r0) * stride_,
+            {es_, stride_, stride_ * static_cast<size_t>(m), stride_ * static_cast<size_t>(m)});
 }
 
 }  // namespace ggml_kernels

@@ -61,13 +61,41 @@ class Graph {
   // whose last dim is dense; other strides may be anything, e.g. a column slice of a bigger output.
   // Runs on the calling thread (compute_graph), or with n_threads > 1 on ggml's own threadpool
   // (compute_graph_threaded) for ops whose best split is ggml's internal one. Intermediate results
-  // are allocated as torch tensors that live as long as this Graph.
+  // live as long as this Graph (small ones in a per-thread scratch buffer: one Graph per thread at
+  // a time, as for the context memory).
   void compute(ggml_tensor* result, const at::Tensor& dst, int n_threads = 1);
 
+  // The same into raw memory of the result's type: nb in bytes, ggml's order (see Rows::nb).
+  void compute(ggml_tensor* result, void* dst, const size_t (&nb)[4], int n_threads = 1);
+
  private:
+  void run(ggml_tensor* result, int n_threads);
+
   ggml_context* ctx_ = nullptr;
   std::vector<at::Tensor> keep_alive_;
+  size_t scratch_used_ = 0;  // bytes of this thread's scratch buffer the graph's results hold
   int graph_size_;
+};
+
+// A tensor seen as rows of its last dim, (numel / n, n), by pointer and row stride, so that row
+// slices become ggml tensors without torch view ops (narrow, reshape: ~0.4 us each, a tenth of a
+// decode step's norm). Rows are at one stride when the tensor is contiguous or reshapes to (rows, n)
+// with a dense last dim; anything else is copied once (kept alive here).
+class Rows {
+ public:
+  explicit Rows(const at::Tensor& t);
+  int64_t rows() const { return rows_; }
+  // Rows [r0, r1) as a ggml tensor {n, r1 - r0}.
+  ggml_tensor* view(Graph& g, int64_t r0, int64_t r1) const;
+  // Computes `result` ({n, r1 - r0}, this tensor's type) into rows [r0, r1).
+  void compute(Graph& g, ggml_tensor* result, int64_t r0, int64_t r1) const;
+
+ private:
+  at::Tensor keep_;
+  char* data_ = nullptr;
+  int64_t n_ = 0, rows_ = 0;
+  size_t es_ = 0, stride_ = 0;  // element and row stride in bytes
+  ggml_type type_ = GGML_TYPE_F32;
 };
 
 // Splits [0, n) into chunks of at least `min_chunk` items, each a multiple of `align` (but the

@@ -55,13 +55,6 @@ void check_vector(const at::Tensor& w, int64_t n, const char* name) {
                     " values (x's last dim), got shape ", w.sizes());
 }
 
-// x as (rows, n) with a dense last dim (a view when x allows one).
-at::Tensor as_rows(const at::Tensor& x) {
-  const int64_t n = x.size(-1);
-  at::Tensor x2 = x.reshape({x.numel() / n, n});
-  return x2.stride(1) == 1 || n == 1 ? x2 : x2.contiguous();
-}
-
 // A per-feature parameter (weight, bias) as the float32 vector ggml's binary ops broadcast over the
 // rows: the tensor's own memory when it already is one, else converted once per call here (plain
 // loops: a torch op per call would cost more than a decode step's norm), 1 + w if plus_one.
@@ -140,21 +133,20 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& we
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   if (x.numel() == 0) return out;
 
-  const at::Tensor x2 = as_rows(x);
-  const at::Tensor out2 = out.view({x2.size(0), n});
+  const Rows x_rows(x), out_rows(out);
   const F32Vector w = has_w ? F32Vector(*weight, zero_centered) : F32Vector();
   const F32Vector b = has_b ? F32Vector(*bias, false) : F32Vector();
   const ggml_type x_type = ggml_type_of(x.scalar_type());
   const ggml_type out_type = ggml_type_of(out_dtype);
   const float feps = static_cast<float>(eps);
-  for_row_slices(x2.size(0), n, [&](int64_t r0, int64_t r1) {
+  for_row_slices(x_rows.rows(), n, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();
     Graph g(16);
-    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, g.view(x2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32), feps);
+    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
     if (cast_before_weight) y = round_to(g, y, x_type);
     if (has_w) y = G.ggml_mul(g.ctx(), y, w.view(g));  // fused with the norm when it follows it
     if (has_b) y = G.ggml_add(g.ctx(), y, b.view(g));
-    g.compute(cast_to(g, y, out_type), out2.narrow(0, r0, r1 - r0));
+    out_rows.compute(g, cast_to(g, y, out_type), r0, r1);
   });
   return out;
 }
@@ -171,23 +163,21 @@ at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& z, const at
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
 
-  const at::Tensor x2 = as_rows(x);
-  const at::Tensor z2 = as_rows(z);
-  const at::Tensor out2 = out.view({x2.size(0), n});
+  const Rows x_rows(x), z_rows(z), out_rows(out);
   const F32Vector w(weight, false);
   const ggml_type x_type = ggml_type_of(x.scalar_type());
   const ggml_type prod_type = ggml_type_of(at::promote_types(x.scalar_type(), weight.scalar_type()));
   const float feps = static_cast<float>(eps);
-  for_row_slices(x2.size(0), n, [&](int64_t r0, int64_t r1) {
+  for_row_slices(x_rows.rows(), n, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();
     Graph g(16);
-    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, g.view(x2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32), feps);
+    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
     if (cast_before_weight) y = round_to(g, y, x_type);
     y = G.ggml_mul(g.ctx(), y, w.view(g));
     if (cast_before_weight) y = round_to(g, y, prod_type);
-    ggml_tensor* gate = cast_to(g, g.view(z2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32);
+    ggml_tensor* gate = cast_to(g, z_rows.view(g, r0, r1), GGML_TYPE_F32);
     y = G.ggml_swiglu_split(g.ctx(), gate, y);  // silu(gate) * y in float32
-    g.compute(cast_to(g, y, x_type), out2.narrow(0, r0, r1 - r0));
+    out_rows.compute(g, cast_to(g, y, x_type), r0, r1);
   });
   return out;
 }
@@ -203,14 +193,13 @@ at::Tensor l2_norm_cpu(const at::Tensor& x, double eps, c10::string_view mode) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
 
-  const at::Tensor x2 = as_rows(x);
-  const at::Tensor out2 = out.view({x2.size(0), n});
+  const Rows x_rows(x), out_rows(out);
   const ggml_type x_type = ggml_type_of(x.scalar_type());
   const float feps = static_cast<float>(eps);
-  for_row_slices(x2.size(0), n, [&](int64_t r0, int64_t r1) {
+  for_row_slices(x_rows.rows(), n, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();
     Graph g(16);
-    ggml_tensor* xf = cast_to(g, g.view(x2.narrow(0, r0, r1 - r0)), GGML_TYPE_F32);
+    ggml_tensor* xf = cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32);
     ggml_tensor* y;
     if (clamp) {
       y = G.ggml_l2_norm(g.ctx(), xf, feps);
@@ -220,7 +209,7 @@ at::Tensor l2_norm_cpu(const at::Tensor& x, double eps, c10::string_view mode) {
       y = G.ggml_rms_norm(g.ctx(), xf, static_cast<float>(eps / static_cast<double>(n)));
       y = G.ggml_scale(g.ctx(), y, static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
     }
-    g.compute(cast_to(g, y, x_type), out2.narrow(0, r0, r1 - r0));
+    out_rows.compute(g, cast_to(g, y, x_type), r0, r1);
   });
   return out;
 }
