@@ -30,13 +30,27 @@ int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
   return rb / ts * G.ggml_blck_size(type);
 }
 
-void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks, ggml_type type) {
+// Activations x (..., K) (mul_mat, mul_mat_vec, mul_mat_group: any leading dims, the output keeps
+// them) or (T, K) when `tokens_only` (mul_mat_id).
+void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks, ggml_type type,
+                       bool tokens_only = false) {
   check_cpu(x, "x");
   check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
-  check_dim(x, 2, "x");
-  TORCH_CHECK_VALUE(x.size(1) == k, "x has ", x.size(1), " features (shape ", x.sizes(),
+  if (tokens_only) {
+    check_dim(x, 2, "x");
+  } else {
+    TORCH_CHECK_VALUE(x.dim() >= 1, "x must be (..., K) with at least one dim, got a 0-D tensor");
+  }
+  TORCH_CHECK_VALUE(x.size(-1) == k, "x has ", x.size(-1), " features (shape ", x.sizes(),
                     ") but the ", type_name(type), " weight rows hold ", k,
                     " values (", blocks.size(-1), " bytes)");
+}
+
+// x's shape with the last dim replaced by n: the shape of x @ W.T for a weight of n rows.
+at::DimVector rows_shape(const at::Tensor& x, int64_t n) {
+  at::DimVector shape(x.sizes());
+  shape.back() = n;
+  return shape;
 }
 
 void check_out_dtype(at::ScalarType dtype) {
@@ -83,7 +97,7 @@ at::Tensor activations_for(const at::Tensor& xf, ggml_type type) {
   if (vdt == GGML_TYPE_F32) return {};
   const auto from_float = G.ggml_get_type_traits_cpu(vdt)->from_float;
   TORCH_CHECK(from_float != nullptr, "ggml-kernels: no activation converter for ", type_name(vdt));
-  const int64_t m = xf.size(0), k = xf.size(1);
+  const int64_t k = xf.size(-1), m = xf.numel() / k;  // xf: contiguous float32 rows (..., K)
   const int64_t rs = static_cast<int64_t>(G.ggml_row_size(vdt, k));
   auto q = at::empty({m, rs}, xf.options().dtype(at::kByte));
   const float* src = xf.data_ptr<float>();
@@ -207,7 +221,7 @@ void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k, 
   });
 }
 
-// Checks one packed weight (N, row_bytes) of a product with x (M, K); returns its type and K.
+// Checks one packed weight (N, row_bytes) of a product with x (..., K); returns its type and K.
 std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t type_id, int64_t out_features,
                                            const at::Tensor& x, const char* name) {
   const ggml_type type = check_storage_type(type_id);
@@ -227,8 +241,8 @@ std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t typ
 at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
                        int64_t out_features) {
   const auto [type, k] = check_weight(blocks, type_id, out_features, x, "blocks");
-  const int64_t m = x.size(0);
-  auto out = at::empty({m, out_features}, x.options().dtype(at::kFloat));
+  const int64_t m = x.numel() / k;  // x (..., K): m rows, out (..., N)
+  auto out = at::empty(rows_shape(x, out_features), x.options().dtype(at::kFloat));
   if (m == 0 || out_features == 0) return out;
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -239,12 +253,13 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
     return out;
   }
   const ggml_type vdt = traits->vec_dot_type;
+  const at::Tensor xf2 = xf.view({m, k}), out2 = out.view({m, out_features});
   parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, 4, [&](int64_t n0, int64_t n1) {
     Graph g(8);
     ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
-    ggml_tensor* xt = xq.defined() ? g.packed(xq, vdt, k) : g.view(xf);
+    ggml_tensor* xt = xq.defined() ? g.packed(xq, vdt, k) : g.view(xf2);
     ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, xt);  // {n1 - n0, M}
-    g.compute(y, out.narrow(1, n0, n1 - n0));
+    g.compute(y, out2.narrow(1, n0, n1 - n0));
   });
   return out;
 }
@@ -256,7 +271,9 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
   TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n, " weights, ",
                     type_ids.size(), " ggml types and ", out_features.size(), " out_features: one each");
   std::vector<ggml_type> types(n);
-  bool direct = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kDirectDotRows;
+  // x (..., K) checked against every weight below; m rows of it
+  const int64_t m = x.dim() >= 1 && x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
+  bool direct = m >= 1 && m <= kDirectDotRows;
   for (size_t i = 0; i < n; ++i) {
     const std::string name = "blocks[" + std::to_string(i) + "]";
     types[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
@@ -278,10 +295,10 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
     const ggml_type vdt = ggml().ggml_get_type_traits_cpu(types[i])->vec_dot_type;
     auto it = std::find_if(quantized.begin(), quantized.end(), [&](const auto& e) { return e.first == vdt; });
     if (it == quantized.end()) it = quantized.insert(quantized.end(), {vdt, activations_for(xf, types[i])});
-    outs.push_back(at::empty({1, out_features[i]}, x.options().dtype(at::kFloat)));
+    outs.push_back(at::empty(rows_shape(x, out_features[i]), x.options().dtype(at::kFloat)));
     dots.push_back(dot_rows(blocks[i], types[i], it->second, outs.back()));
   }
-  direct_dot_rows(dots, x.size(1));
+  direct_dot_rows(dots, x.size(-1));
   return outs;
 }
 
@@ -296,7 +313,7 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
   const int64_t experts = blocks.size(0);
   TORCH_CHECK_VALUE(blocks.size(1) == out_features, "out_features=", out_features,
                     " but each expert in blocks has ", blocks.size(1), " rows");
-  check_activations(x, k, blocks, type);
+  check_activations(x, k, blocks, type, /*tokens_only=*/true);
   check_cpu(ids, "ids");
   check_dtype(ids, {at::kInt, at::kLong}, "ids");
   check_dim(ids, 2, "ids");

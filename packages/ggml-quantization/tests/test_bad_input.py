@@ -54,6 +54,18 @@ def test_x_with_wrong_k(gq, w):
         gq.mul_mat_id(torch.stack([w, w]), torch.randn(2, 512), torch.zeros(2, 1, dtype=torch.int32), "Q4_K", N)
 
 
+def test_x_dims(gq, w):
+    """mul_mat / mul_mat_vec / mul_mat_group take x (..., K), never a 0-D tensor; mul_mat_id's x is
+    (T, K) only."""
+    for op in (gq.ops.mul_mat_vec, gq.ops.mul_mat):
+        with pytest.raises(ValueError, match="at least one dim"):
+            op(w, torch.tensor(1.0), 12, N)
+    with pytest.raises(ValueError, match="at least one dim"):
+        gq.ops.mul_mat_group([w], torch.tensor(1.0), [12], [N])
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        gq.ops.mul_mat_id(torch.stack([w, w]), torch.randn(1, 2, K), torch.zeros(2, 1, dtype=torch.int32), 12, N)
+
+
 def test_mul_mat_group_bad_input(gq, w):
     x = torch.randn(1, K)
     other = gq.quantize(torch.randn(4, 512), "Q4_K")  # 512 columns, x has 256

@@ -145,6 +145,23 @@ def test_mul_mat_leading_dims(gq):
     torch.testing.assert_close(out.view(6, ROWS), gq.mul_mat(blocks, x.view(6, cols), 12, ROWS), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3), (1, 4, 2), ()], ids=str)
+def test_ops_keep_leading_dims(gq, shape):
+    """The ops themselves take x (..., K) and return (..., N) with x's leading dims (a decode step's
+    (1, 1, K) needs no reshape on either side), equal to the same rows as a 2-D (M, K) matrix."""
+    blocks, cols = make_weights(gq, 3, rows=40)
+    x = torch.randn(*shape, cols, generator=torch.Generator().manual_seed(len(shape)))
+    flat = x.reshape(-1, cols)
+    for op in (gq.ops.mul_mat_vec, gq.ops.mul_mat):
+        out = op(blocks, x, 3, 40)
+        assert out.shape == (*shape, 40)
+        torch.testing.assert_close(out.reshape(-1, 40), op(blocks, flat, 3, 40), rtol=0, atol=0)
+        assert rel_err(out.reshape(-1, 40), gq.reference.mul_mat_emulated(blocks, flat, 3, 40)) < MATMUL_RTOL
+    outs = gq.ops.mul_mat_group([blocks, blocks[:7]], x, [3, 3], [40, 7])
+    assert [o.shape for o in outs] == [(*shape, 40), (*shape, 7)]
+    torch.testing.assert_close(outs[1].reshape(-1, 7), gq.ops.mul_mat(blocks[:7], flat, 3, 7), rtol=0, atol=0)
+
+
 def test_mul_mat_real_shape(gq):
     """A Qwen3.5-0.8B-sized projection (1024 -> 3584) in Q4_K, decode and prefill."""
     w = torch.randn(3584, 1024) * 0.02
@@ -328,4 +345,11 @@ def test_torch_compile_fullgraph(gq):
     ids = torch.zeros(3, 2, dtype=torch.int32)
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     for a, b in zip(compiled(x, ids), f(x, ids)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    def g(x):  # leading dims: the traced (fake) shapes must be the kernels' for these views to trace
+        return gq.mul_mat_vec(blocks, x, 12, ROWS).view(2, ROWS), gq.mul_mat_group([blocks], x, [12], [ROWS])[0].view(2, ROWS)
+
+    x3 = torch.randn(1, 2, cols)
+    for a, b in zip(torch.compile(g, fullgraph=True, backend="eager")(x3), g(x3)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

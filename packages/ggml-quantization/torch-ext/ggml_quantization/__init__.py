@@ -53,17 +53,15 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 
 
 def mul_mat_vec(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
-    """`x @ W.T` for a packed weight W `(out_features, row_bytes)` and x `(M, K)` float32/bf16/f16;
-    returns `(M, out_features)` float32. Made for M <= MAX_GEMV_ROWS (decode), correct for any M."""
-    out = ops.mul_mat_vec(blocks, _flatten(x), type_id(ggml_type), int(out_features))
-    return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+    """`x @ W.T` for a packed weight W `(out_features, row_bytes)` and x `(..., K)` float32/bf16/f16;
+    returns `(..., out_features)` float32. Made for at most MAX_GEMV_ROWS rows (decode), correct for any."""
+    return ops.mul_mat_vec(blocks, x, type_id(ggml_type), int(out_features))
 
 
 def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
     """`x @ W.T` on the packed weight for any number of rows (prefill), without a dense copy of W.
     x `(..., K)` -> `(..., out_features)` float32."""
-    out = ops.mul_mat(blocks, _flatten(x), type_id(ggml_type), int(out_features))
-    return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
+    return ops.mul_mat(blocks, x, type_id(ggml_type), int(out_features))
 
 
 def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_features) -> list[torch.Tensor]:
@@ -73,8 +71,7 @@ def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_f
     For one activation row (a decode step) the row is quantized once per dot-product type and all the
     weights' rows are split over the threads together, in one call instead of one per weight."""
     types = [type_id(t) for t in ggml_types]
-    outs = ops.mul_mat_group(list(blocks), _flatten(x), types, [int(n) for n in out_features])
-    return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs] if x.dim() != 2 else outs
+    return ops.mul_mat_group(list(blocks), x, types, [int(n) for n in out_features])
 
 
 def mul_mat_id(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
@@ -108,19 +105,19 @@ def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) ->
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat"))
 def _mul_mat_fake(blocks, x, ggml_type, out_features):
     same_device("mul_mat", blocks=blocks, x=x)
-    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_vec"))
 def _mul_mat_vec_fake(blocks, x, ggml_type, out_features):
     same_device("mul_mat_vec", blocks=blocks, x=x)
-    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_group"))
 def _mul_mat_group_fake(blocks, x, ggml_types, out_features):
     same_device("mul_mat_group", x=x, **{f"blocks[{i}]": b for i, b in enumerate(blocks)})
-    return [x.new_empty((x.shape[0], n), dtype=torch.float32) for n in out_features]
+    return [x.new_empty((*x.shape[:-1], n), dtype=torch.float32) for n in out_features]
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_id"))
