@@ -55,8 +55,9 @@ def _append(layer, name: str, current: torch.Tensor, new: torch.Tensor) -> torch
         if length:
             grown[..., :length, :].copy_(current)
         buffer = grown
-    buffer[..., length : length + added, :].copy_(new)
-    view = buffer[..., : length + added, :]
+    # narrow / as_strided: one aten call each, where `buffer[..., a:b, :]` costs several
+    buffer.narrow(-2, length, added).copy_(new)
+    view = buffer.as_strided((*buffer.shape[:-2], length + added, buffer.shape[-1]), buffer.stride())
     buffers[name] = (buffer, view)
     return view
 
