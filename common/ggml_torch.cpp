@@ -123,23 +123,40 @@ Graph::~Graph() {
   if (ctx_) ggml().ggml_free(ctx_);
 }
 
-ggml_tensor* Graph::view(const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.dim() >= 1 && t.dim() <= 4, "ggml tensors have 1 to 4 dims, got shape ",
-                    t.sizes());
+namespace {
+
+// ne / nb (ggml's order, bytes) of dims [first, t.dim()) of t: at most 4, the innermost dense.
+void ggml_layout(const at::Tensor& t, int first, int64_t (&ne)[4], size_t (&nb)[4]) {
+  const int nd = static_cast<int>(t.dim()) - first;
+  TORCH_CHECK_VALUE(nd >= 1 && nd <= 4, "ggml tensors have 1 to 4 dims, got shape ", t.sizes(),
+                    first ? " (after its first dim)" : "");
   TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) == 1, "the last dim must be dense, got strides ",
                     t.strides());
-  const ggml_type type = ggml_type_of(t.scalar_type());
-  const int64_t es = static_cast<int64_t>(t.element_size());
-  int64_t ne[4] = {1, 1, 1, 1};
-  const int nd = static_cast<int>(t.dim());
-  for (int i = 0; i < nd; ++i) ne[i] = t.size(nd - 1 - i);
-  ggml_tensor* g = ggml().ggml_new_tensor(ctx_, type, 4, ne);
-  g->nb[0] = static_cast<size_t>(es);
+  const size_t es = static_cast<size_t>(t.element_size());
+  for (int i = 0; i < 4; ++i) ne[i] = i < nd ? t.size(t.dim() - 1 - i) : 1;
+  nb[0] = es;
   for (int i = 1; i < 4; ++i) {
-    g->nb[i] = i < nd ? static_cast<size_t>(t.stride(nd - 1 - i) * es) : g->nb[i - 1] * ne[i - 1];
+    nb[i] = i < nd ? static_cast<size_t>(t.stride(t.dim() - 1 - i)) * es : nb[i - 1] * static_cast<size_t>(ne[i - 1]);
   }
-  g->data = t.data_ptr();
-  return g;
+}
+
+}  // namespace
+
+ggml_tensor* Graph::view(const at::Tensor& t) {
+  int64_t ne[4];
+  size_t nb[4];
+  ggml_layout(t, 0, ne, nb);
+  return raw(ggml_type_of(t.scalar_type()), t.data_ptr(), ne, nb);
+}
+
+ggml_tensor* Graph::view(const at::Tensor& t, int64_t index) {
+  TORCH_CHECK(t.dim() >= 2 && index >= 0 && index < t.size(0), "ggml-kernels: entry ", index, " of shape ",
+              t.sizes());
+  int64_t ne[4];
+  size_t nb[4];
+  ggml_layout(t, 1, ne, nb);
+  return raw(ggml_type_of(t.scalar_type()),
+             static_cast<const char*>(t.data_ptr()) + index * t.stride(0) * static_cast<int64_t>(t.element_size()), ne, nb);
 }
 
 ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t cols) {
@@ -177,6 +194,20 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
   for (int i = std::max(nd, 1); i < 4; ++i) result->nb[i] = result->nb[i - 1] * result->ne[i - 1];
   result->data = dst.data_ptr();
   run(result, n_threads);
+}
+
+void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int64_t index, int n_threads) {
+  TORCH_CHECK(dst.dim() >= 2 && index >= 0 && index < dst.size(0) && ggml_type_of(dst.scalar_type()) == result->type,
+              "ggml-kernels: output entry ", index, " of ", dst.sizes(), " does not match the graph result");
+  int64_t ne[4];
+  size_t nb[4];
+  ggml_layout(dst, 1, ne, nb);
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(result->ne[i] == ne[i], "ggml-kernels: output entry of ", dst.sizes(), " does not match the graph result");
+  }
+  if (dst.numel() == 0) return;
+  compute(result, static_cast<char*>(dst.data_ptr()) + index * dst.stride(0) * static_cast<int64_t>(dst.element_size()),
+          nb, n_threads);
 }
 
 void Graph::compute(ggml_tensor* result, void* dst, const size_t (&nb)[4], int n_threads) {

@@ -48,6 +48,8 @@ class Graph {
   // A ggml tensor over a torch tensor's memory, dims reversed (ggml lists the fastest first).
   // The innermost dim must be dense; other strides are kept as they are (at most 4 dims).
   ggml_tensor* view(const at::Tensor& t);
+  // t[index] (along the first dim) the same way, without the torch select (~0.4 us each).
+  ggml_tensor* view(const at::Tensor& t, int64_t index);
   // A packed GGUF weight: blocks uint8 (rows, row_bytes) or (experts, rows, row_bytes) as ggml
   // tensor {cols, rows[, experts]} of `type`. blocks may be a row slice (narrow along the rows) of
   // a bigger packed matrix: its strides are kept.
@@ -65,7 +67,9 @@ class Graph {
   // a time, as for the context memory).
   void compute(ggml_tensor* result, const at::Tensor& dst, int n_threads = 1);
 
-  // The same into raw memory of the result's type: nb in bytes, ggml's order (see Rows::nb).
+  // The same into dst[index] (along the first dim), without the torch select.
+  void compute(ggml_tensor* result, const at::Tensor& dst, int64_t index, int n_threads = 1);
+  // The same into raw memory of the result's type: nb in bytes, ggml's order.
   void compute(ggml_tensor* result, void* dst, const size_t (&nb)[4], int n_threads = 1);
 
  private:

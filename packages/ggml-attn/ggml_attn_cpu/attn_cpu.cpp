@@ -61,11 +61,11 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
   return m.defined() ? m.contiguous() : m;
 }
 
-ggml_tensor* attention(Graph& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& mask, float scale, float softcap, const at::Tensor& sinks) {
+ggml_tensor* attention(Graph& g, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v, const at::Tensor& mask,
+                       float scale, float softcap, const at::Tensor& sinks) {
   const auto& G = ggml();
-  ggml_tensor* out = G.ggml_flash_attn_ext(g.ctx(), g.view(q), g.view(k), g.view(v),
-                                           mask.defined() ? g.view(mask) : nullptr, scale, 0.0f, softcap);
+  ggml_tensor* out = G.ggml_flash_attn_ext(g.ctx(), q, k, v, mask.defined() ? g.view(mask) : nullptr, scale,
+                                           0.0f, softcap);
   G.ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
   if (sinks.defined()) G.ggml_flash_attn_ext_add_sinks(out, g.view(sinks));
   return out;
@@ -115,7 +115,7 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
   const float s = scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(d)) : static_cast<float>(scale);
   const float cap = static_cast<float>(softcap);
   // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
-  const at::Tensor q32 = q.stride(3) == 1 ? q.to(at::kFloat) : q.to(at::kFloat).contiguous();
+  const at::Tensor q32 = q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous() : q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kk = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vv = v.stride(3) == 1 ? v : v.contiguous();
   const at::Tensor m = additive_mask(mask, causal, b, hq, sq, skv);
@@ -130,8 +130,8 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
     for (int64_t bi = 0; bi < b; ++bi) {
       parallel_chunks(sq, min_rows, sq >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
         Graph g(16);
-        ggml_tensor* r = attention(g, q32.select(0, bi).narrow(1, i0, i1 - i0), kk.select(0, bi), vv.select(0, bi),
-                                   mask_rows(bi, i0, i1 - i0), s, cap, sinks32);
+        ggml_tensor* r = attention(g, g.view(q32.select(0, bi).narrow(1, i0, i1 - i0)), g.view(kk, bi),
+                                   g.view(vv, bi), mask_rows(bi, i0, i1 - i0), s, cap, sinks32);
         g.compute(r, out.select(0, bi).narrow(0, i0, i1 - i0));
       });
     }
@@ -139,9 +139,9 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
     const int64_t threads = at::get_num_threads();
     auto one = [&](int64_t bi, int n_threads) {
       Graph g(16);
-      ggml_tensor* r = attention(g, q32.select(0, bi), kk.select(0, bi), vv.select(0, bi), mask_rows(bi, 0, 1),
-                                 s, cap, sinks32);
-      g.compute(r, out.select(0, bi), n_threads);
+      ggml_tensor* r = attention(g, g.view(q32, bi), g.view(kk, bi), g.view(vv, bi), mask_rows(bi, 0, 1), s, cap,
+                                 sinks32);
+      g.compute(r, out, bi, n_threads);
     };
     if (b >= threads || threads == 1) {
       parallel_chunks(b, 1, 1, 1, [&](int64_t b0, int64_t b1) {
