@@ -149,6 +149,29 @@ def test_flash_attn_forward_contract(ga):
     assert rel_err(out, ga.reference.flash_attn(q, k, v, mask=mask, scale=0.125).transpose(1, 2)) < TOL[torch.float32]
 
 
+def test_flash_attn_forward_reads_the_modules_softcap(ga):
+    """A module's `attn_logit_softcapping` (an instance attribute, as Gemma 2 sets it, or a class
+    attribute) softcaps the logits; a module without one gets none; a `softcap` kwarg wins."""
+    q, k, v = qkv(1, 4, 2, 3, 9, 64)
+    q = q * 20  # logits large enough for a softcap of 2 to matter
+    capped = ga.reference.flash_attn(q, k, v, causal=True, scale=0.125, softcap=2.0).transpose(1, 2)
+    plain = ga.reference.flash_attn(q, k, v, causal=True, scale=0.125).transpose(1, 2)
+    assert rel_err(capped, plain) > 0.05
+
+    class Capped(torch.nn.Module):
+        attn_logit_softcapping = 2.0
+
+    instance = torch.nn.Module()
+    instance.attn_logit_softcapping = 2.0
+    for module in (instance, Capped()):
+        out, _ = ga.flash_attn_forward(module, q, k, v, None, scaling=0.125)
+        assert rel_err(out, capped) < TOL[torch.float32]
+    out, _ = ga.flash_attn_forward(torch.nn.Module(), q, k, v, None, scaling=0.125)
+    assert rel_err(out, plain) < TOL[torch.float32]
+    out, _ = ga.flash_attn_forward(torch.nn.Module(), q, k, v, None, scaling=0.125, softcap=2.0)
+    assert rel_err(out, capped) < TOL[torch.float32]
+
+
 def test_thread_count_does_not_change_results(ga):
     q, k, v = qkv(1, 4, 2, 200, 200, 64)
     before = torch.get_num_threads()

@@ -76,10 +76,17 @@ def flash_attn_forward(
         causal = True if is_causal is None else bool(is_causal)
     else:
         causal = False
-    softcap = kwargs.get("softcap") or getattr(module, "attn_logit_softcapping", None)
+    softcap = kwargs.get("softcap") or _softcap_of(module)
     sinks = kwargs.get("s_aux")
     out = ops.flash_attn(query, key, value, attention_mask, causal, float(scaling or 0.0), float(softcap or 0.0), sinks)
     return out, None
+
+
+def _softcap_of(module: torch.nn.Module) -> float | None:
+    """The module's `attn_logit_softcapping` (Gemma 2 sets one in __init__), if any. Looked up in the
+    instance and class dicts: asking nn.Module for a name it lacks raises inside, ~1 us per call."""
+    value = module.__dict__.get("attn_logit_softcapping")
+    return value if value is not None else getattr(type(module), "attn_logit_softcapping", None)
 
 
 def apply_rotary(
@@ -94,7 +101,7 @@ def apply_rotary(
         and q.dim() == 4
         and cos.dim() == 3
         and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
-        and q.device.type == "cpu"
+        and q.is_cpu
     ):
         return ops.rotary_half(q, k, cos, sin)
     return reference.apply_rotary(q, k, cos, sin, unsqueeze_dim)
