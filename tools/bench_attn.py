@@ -1,6 +1,6 @@
 """ggml-attn side by side with transformers' attention paths on this CPU.
 
-Decode (one query) against caches of 512, 4096 and 16384 keys, and a 512-token causal prefill, at
+Decode (one query) against caches of 128, 512, 4096 and 16384 keys, and a 512-token causal prefill, at
 Qwen3.5's full-attention head layout (0.8B: 8 query / 2 KV heads; 4B: 16 / 4; head dim 256), in
 float32. Columns: ggml-attn; transformers' `sdpa` (torch SDPA with GQA), its `eager` path
 (repeat_kv + matmul + softmax), and the pure-PyTorch reference (float32 compute).
@@ -46,7 +46,7 @@ def main() -> None:
             self.is_causal = True
             self.training = False
 
-    cases = [("decode", 1, n) for n in (512, 4096, 16384)] + [("prefill", 512, 512)]
+    cases = [("decode", 1, n) for n in (128, 512, 4096, 16384)] + [("prefill", 512, 512)]
     layouts = dict(LAYOUTS)
     if args.quick:
         cases, layouts = [cases[0], cases[1], cases[3]], {"0.8B": LAYOUTS["0.8B"]}

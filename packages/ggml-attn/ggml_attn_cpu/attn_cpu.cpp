@@ -6,8 +6,9 @@
 //
 // Work split: prefill slices the query rows of each batch entry over torch's threads, one
 // single-threaded graph per slice (aligned to ggml's 64-row tiles); decode (one query row) runs one
-// graph per batch entry, on torch's threads when there are enough entries, else on ggml's own pool,
-// whose split-KV path divides a long cache between the threads.
+// graph per batch entry on torch's threads when there are enough entries; a single sequence splits
+// its KV heads over torch's threads (one graph each) up to a few thousand keys, beyond that ggml's
+// own pool divides the keys between its threads (split-KV).
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -24,6 +25,17 @@ namespace {
 constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kQueryTile = 64;  // ggml-cpu's flash-attention query tile (GGML_FA_TILE_Q)
 constexpr int64_t kSplitKvMin = 512;  // ggml splits one query's keys over threads from here
+// Below kSplitKvMin, one sequence's decode step splits its KV heads (with their query heads) over
+// torch's threads, one graph per thread, once Hq * Skv * D reaches this. Measured in one process (2
+// threads, a hot loop of the op alone), single graph -> split: Hq/Hkv/D = 9/3/64 (SmolLM2) 65 keys
+// 8.3 -> 9.6 us (worse: under the threshold), 192 keys 18.4 -> 13.9, 400 keys 34.4 -> 24.5;
+// 8/2/256 (Qwen3.5) 65 keys 14.6 -> 9.3 us, 400 keys 73.0 -> 35.8.
+constexpr int64_t kSplitHeadsMinWork = 96 * 1024;
+// ... and beyond kSplitKvMin up to this many keys when the KV heads divide evenly between the
+// threads: 8/2/256 512 keys 72 -> 54 us, 1024 keys 133 -> 107, 2048 keys 229 -> 212; 16/4/256 512
+// keys 122 -> 106, 1024 keys 258 -> 211, 2048 keys 455 -> 417. At 4096 keys ggml's own split of the
+// keys was as fast or faster (16/4/256: 1.03 vs 1.45 ms in one run).
+constexpr int64_t kSplitHeadsMaxKeys = 2048;
 
 // The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous.
 // Undefined when nothing is masked.
@@ -59,6 +71,15 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
     m.masked_fill_(hidden, neg_inf);
   }
   return m.defined() ? m.contiguous() : m;
+}
+
+// Heads [h0, h1) of batch entry bi of t (B, H, S, D) as ggml's {D, S, h1 - h0}, without torch views.
+ggml_tensor* heads(Graph& g, const at::Tensor& t, int64_t bi, int64_t h0, int64_t h1) {
+  const size_t es = static_cast<size_t>(t.element_size());
+  const size_t nb2 = static_cast<size_t>(t.stride(1)) * es;
+  return g.raw(ggml_type_of(t.scalar_type()),
+               static_cast<const char*>(t.data_ptr()) + (bi * t.stride(0) + h0 * t.stride(1)) * static_cast<int64_t>(es),
+               {t.size(3), t.size(2), h1 - h0, 1}, {es, static_cast<size_t>(t.stride(2)) * es, nb2, nb2 * static_cast<size_t>(h1 - h0)});
 }
 
 ggml_tensor* attention(Graph& g, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v, const at::Tensor& mask,
@@ -143,7 +164,24 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
                                  sinks32);
       g.compute(r, out, bi, n_threads);
     };
-    if (b >= threads || threads == 1) {
+    const int64_t parts = std::min(threads, hkv);
+    const bool split_heads = b == 1 && parts > 1 && !m.defined() && hq * skv * std::max(d, dv) >= kSplitHeadsMinWork &&
+                             (skv < kSplitKvMin || (hkv % parts == 0 && skv <= kSplitHeadsMaxKeys));
+    if (split_heads) {
+      // KV heads (and the query heads reading them) over the threads; out (1, 1, Hq, Dv)
+      const int64_t gqa = hq / hkv;
+      const size_t es = sizeof(float);
+      at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t h0 = hkv * t / parts, h1 = hkv * (t + 1) / parts, q0 = h0 * gqa, nq = (h1 - h0) * gqa;
+          Graph g(16);
+          ggml_tensor* r = attention(g, heads(g, q32, 0, q0, q0 + nq), heads(g, kk, 0, h0, h1), heads(g, vv, 0, h0, h1),
+                                     m, s, cap, sinks32.defined() ? sinks32.narrow(0, q0, nq) : sinks32);
+          const size_t row = static_cast<size_t>(dv) * es * static_cast<size_t>(nq);
+          g.compute(r, out.data_ptr<float>() + q0 * dv, {es, static_cast<size_t>(dv) * es, row, row});
+        }
+      });
+    } else if (b >= threads || threads == 1) {
       parallel_chunks(b, 1, 1, 1, [&](int64_t b0, int64_t b1) {
         for (int64_t bi = b0; bi < b1; ++bi) one(bi, 1);
       });

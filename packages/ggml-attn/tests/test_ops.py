@@ -172,6 +172,28 @@ def test_flash_attn_forward_reads_the_modules_softcap(ga):
     assert rel_err(out, capped) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("hq, hkv, skv, d", [(9, 3, 300, 64), (8, 2, 100, 256), (4, 4, 400, 128), (8, 2, 1000, 64), (6, 2, 30, 64)])
+def test_decode_heads_split_over_threads(ga, hq, hkv, skv, d):
+    """One sequence's decode step with enough work splits its KV heads over the threads (one graph
+    each): bit-identical to one thread (each head is the same ggml computation), right against the
+    reference, on a cache view with spare capacity (strided heads) and with sinks."""
+    q, k, v = qkv(1, hq, hkv, 1, skv + 50, d, seed=hq)
+    k, v = k[:, :, :skv], v[:, :, :skv]  # a growing cache's view: head stride spans the capacity
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [ga.flash_attn(q, k, v, causal=True), ga.flash_attn(q, k, v, sinks=sinks)]
+        torch.set_num_threads(2)
+        two = [ga.flash_attn(q, k, v, causal=True), ga.flash_attn(q, k, v, sinks=sinks)]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert rel_err(two[0], ga.reference.flash_attn(q, k, v, causal=True)) < TOL[torch.float32]
+    assert rel_err(two[1], ga.reference.flash_attn(q, k, v, sinks=sinks)) < TOL[torch.float32]
+
+
 def test_thread_count_does_not_change_results(ga):
     q, k, v = qkv(1, 4, 2, 200, 200, 64)
     before = torch.get_num_threads()
