@@ -22,6 +22,7 @@ import torch
 
 MIN_SPARE_POSITIONS = 256
 GROWTH = 1.5
+_BUFFERS = "_ggml_kernels_kv_buffers"  # a layer's {"keys" | "values": _Buffer}
 
 _state: dict = {}
 
@@ -30,36 +31,51 @@ def _capacity(needed: int) -> int:
     return max(needed + MIN_SPARE_POSITIONS, int(needed * GROWTH))
 
 
+class _Buffer:
+    """One key or value buffer of a layer: the tensor (..., capacity, D), how many positions hold
+    data, and the view of them returned last, with the shape parts a decode step reuses."""
+
+    __slots__ = ("tensor", "length", "view", "lead", "width", "stride", "capacity")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.length, self.view = tensor, 0, None
+        self.lead, self.width, self.capacity = tuple(tensor.shape[:-2]), tensor.shape[-1], tensor.shape[-2]
+        self.stride = tensor.stride()
+
+
 def _append(layer, name: str, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """`torch.cat([current, new], dim=-2)` as a view of the layer's buffer `name`."""
-    buffers = layer.__dict__.setdefault("_ggml_kernels_kv_buffers", {})
-    buffer, returned = buffers.get(name, (None, None))
+    buffers = layer.__dict__.get(_BUFFERS)
+    if buffers is None:
+        buffers = layer.__dict__[_BUFFERS] = {}
+    buf = buffers.get(name)
     added = new.shape[-2]
-    if current is returned:  # the view this function returned last (a decode step): in the buffer
-        length = current.shape[-2]
+    if buf is not None and current is buf.view:  # the view returned last (a decode step): in the buffer
+        length = buf.length
     else:
         length = current.shape[-2] if current.dim() == new.dim() else 0
         in_buffer = (
-            buffer is not None
+            buf is not None
             and length > 0
-            and current.data_ptr() == buffer.data_ptr()
-            and current.dtype == buffer.dtype
-            and current.shape[:-2] == buffer.shape[:-2]
-            and current.shape[-1] == buffer.shape[-1]
-            and current.stride() == buffer.stride()
+            and current.data_ptr() == buf.tensor.data_ptr()
+            and current.dtype == buf.tensor.dtype
+            and tuple(current.shape[:-2]) == buf.lead
+            and current.shape[-1] == buf.width
+            and current.stride() == buf.stride
         )
         if not in_buffer:
-            buffer = None
-    if buffer is None or length + added > buffer.shape[-2]:
+            buf = None
+    if buf is None or length + added > buf.capacity:
         grown = new.new_empty((*new.shape[:-2], _capacity(length + added), new.shape[-1]))
         if length:
             grown[..., :length, :].copy_(current)
-        buffer = grown
-    # narrow / as_strided: one aten call each, where `buffer[..., a:b, :]` costs several
-    buffer.narrow(-2, length, added).copy_(new)
-    view = buffer.as_strided((*buffer.shape[:-2], length + added, buffer.shape[-1]), buffer.stride())
-    buffers[name] = (buffer, view)
-    return view
+        buf = buffers[name] = _Buffer(grown)
+    # narrow / as_strided with the kept shape parts: one aten call each, where `buffer[..., a:b, :]`
+    # costs several and re-reading shapes and strides costs more than the copy
+    buf.tensor.narrow(-2, length, added).copy_(new)
+    buf.length = length + added
+    buf.view = buf.tensor.as_strided((*buf.lead, buf.length, buf.width), buf.stride)
+    return buf.view
 
 
 def install() -> None:
@@ -71,7 +87,7 @@ def install() -> None:
     original = DynamicLayer.update
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.device.type != "cpu" or value_states.device.type != "cpu":
+        if not (key_states.is_cpu and value_states.is_cpu):
             return original(self, key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
