@@ -78,7 +78,7 @@ def flash_attn_forward(
         causal = False
     softcap = kwargs.get("softcap") or _softcap_of(module)
     sinks = kwargs.get("s_aux")
-    out = ops.flash_attn(query, key, value, attention_mask, causal, float(scaling or 0.0), float(softcap or 0.0), sinks)
+    out = ops.flash_attn.default(query, key, value, attention_mask, causal, float(scaling or 0.0), float(softcap or 0.0), sinks)
     return out, None
 
 
@@ -103,7 +103,7 @@ def apply_rotary(
         and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
         and q.is_cpu
     ):
-        return ops.rotary_half(q, k, cos, sin)
+        return ops.rotary_half.default(q, k, cos, sin)
     return reference.apply_rotary(q, k, cos, sin, unsqueeze_dim)
 
 

@@ -23,7 +23,7 @@ class RotaryPosEmb(nn.Module):
     can_torch_compile = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
-        return _apply_rotary()(q, k, cos, sin, unsqueeze_dim)
+        return (_APPLY_ROTARY or _apply_rotary())(q, k, cos, sin, unsqueeze_dim)
 
 
 def _apply_rotary():

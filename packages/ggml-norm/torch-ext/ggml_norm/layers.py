@@ -22,6 +22,13 @@ from ._ops import ops
 __all__ = ["RMSNorm", "RMSNormGated", "RMSNormZeroCentered"]
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """The module's `weight`: its parameter straight from `_parameters` (nn.Module's __getattr__
+    costs ~0.4 us per lookup), else whatever the attribute is."""
+    w = module._parameters.get("weight")
+    return w if w is not None else module.weight
+
+
 def _eps(module: nn.Module, name: str, other: str) -> float:
     """The module's epsilon, stored as `name` (or else `other`). Plain attributes live in the
     instance __dict__; asking nn.Module for a missing one costs ~1.5 µs, a tenth of a decode norm."""
@@ -37,7 +44,7 @@ class RMSNormZeroCentered(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, None, _eps(self, "eps", "variance_epsilon"), True, False)
+        return ops.rms_norm.default(x, _weight(self), None, _eps(self, "eps", "variance_epsilon"), True, False)
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +55,7 @@ class RMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(hidden_states, self.weight, None, _eps(self, "variance_epsilon", "eps"), False, True)
+        return ops.rms_norm.default(hidden_states, _weight(self), None, _eps(self, "variance_epsilon", "eps"), False, True)
 
 
 class RMSNormGated(nn.Module):
@@ -65,4 +72,4 @@ class RMSNormGated(nn.Module):
             raise NotImplementedError(
                 f"ggml-norm's RMSNormGated implements the silu gate only (Qwen3.5); this module uses {activation!r}"
             )
-        return ops.rms_norm_gated(hidden_states, gate, self.weight, _eps(self, "variance_epsilon", "eps"), True)
+        return ops.rms_norm_gated.default(hidden_states, gate, _weight(self), _eps(self, "variance_epsilon", "eps"), True)
