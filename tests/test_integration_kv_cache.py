@@ -10,18 +10,28 @@ import torch
 from ggml_kernels_integration import kv_cache
 
 
-@pytest.fixture(scope="module")
-def layers():
-    """(transformers' DynamicLayer.update, ours). Installs ours as enable() does, and puts
-    transformers' back afterwards unless something in this process had installed it before, so
-    later tests comparing against stock transformers really run transformers' own cache."""
+@pytest.fixture(scope="module", params=["kv_write", "torch"])
+def layers(request):
+    """(transformers' DynamicLayer.update, ours). Installs ours as enable() does, with ggml-attn's
+    `kv_write` op for decode appends or (as without that build) torch's narrow + copy_ only, and
+    puts transformers' back afterwards unless something in this process had installed it before,
+    so later tests comparing against stock transformers really run transformers' own cache."""
+    from kernel_testing import load_kernel  # tools/ (the repo's conftest puts it on sys.path)
     from transformers.cache_utils import DynamicLayer
 
     installed_before = kv_cache._state.get("installed", False)
-    kv_cache.install()
+    write_before = kv_cache._state.pop("write", None)
+    write = None
+    if request.param == "kv_write":
+        write = load_kernel("ggml-org/ggml-attn").ops.kv_write.default
+    kv_cache.install(write)
+    assert kv_cache._state.get("write") is write
     original, ours = kv_cache._state["original"], DynamicLayer.update
     assert ours is not original  # the test compares two different implementations
     yield original, ours
+    kv_cache._state.pop("write", None)
+    if write_before is not None:
+        kv_cache._state["write"] = write_before
     if not installed_before:
         DynamicLayer.update = original
         kv_cache._state.clear()
@@ -55,6 +65,25 @@ def test_prefill_then_decode_matches_cat_and_reuses_the_buffer(layers):
         _step(reference, ours, original, patched, *_kv(2, 1))
     assert ours.keys.data_ptr() == buffer  # 45 positions fit the first buffer: no reallocation
     assert not ours.keys.is_contiguous()  # a view of the first seq_len positions
+    # transposed new rows, as a model's k/v projections give them (head stride != rows * dim)
+    k, v = (t.view(2, 1, 2, 8).transpose(1, 2) for t in _kv(2, 1))
+    _step(reference, ours, original, patched, k, v)
+    assert ours.keys.data_ptr() == buffer
+
+
+def test_decode_append_writes_only_its_rows(layers):
+    """What a decode append writes lands in its own rows: the rest of the buffer, spare rows
+    included, is untouched (checked through the buffer itself)."""
+    original, patched = layers
+    reference, ours = _pair()
+    _step(reference, ours, original, patched, *_kv(1, 4))
+    buffer = ours.__dict__[kv_cache._BUFFERS]["keys"].tensor
+    buffer[:, :, 4:].fill_(7.0)
+    k, v = _kv(1, 1)
+    _step(reference, ours, original, patched, k, v)
+    assert ours.__dict__[kv_cache._BUFFERS]["keys"].tensor is buffer
+    torch.testing.assert_close(buffer[:, :, 4:5], k, rtol=0, atol=0)
+    assert bool((buffer[:, :, 5:] == 7.0).all())
 
 
 def test_growth_past_the_capacity(layers):

@@ -113,8 +113,13 @@ def enable() -> None:
     # stay resident until the whole load ends: the peak was the file twice. Drop them as it goes.
     _release_mapped_pages_after_each_tensor()
 
-    # Decode steps append to the key/value cache in place instead of re-copying it (see kv_cache).
-    kv_cache.install()
+    # Decode steps append to the key/value cache in place instead of re-copying it (see kv_cache),
+    # keys and values with one ggml-attn call where that build has it.
+    write = None
+    if "ggml-org/ggml-attn" in ours:
+        attn = kernels.get_kernel("ggml-org/ggml-attn", version=1, **({"backend": "cpu"} if torch.version.cuda else {}))
+        write = attn.ops.kv_write.default if hasattr(attn, "kv_write") else None
+    kv_cache.install(write)
 
     # Config reads parse the tokenizer's arrays without a numpy view per entry (see lean_metadata).
     lean_metadata.install()

@@ -78,8 +78,12 @@ def _append(layer, name: str, current: torch.Tensor, new: torch.Tensor) -> torch
     return buf.view
 
 
-def install() -> None:
-    """Patch `DynamicLayer.update` for CPU tensors (idempotent)."""
+def install(write=None) -> None:
+    """Patch `DynamicLayer.update` for CPU tensors (idempotent). `write` is ggml-attn's `kv_write` op:
+    a decode step whose keys and values both fit their buffers appends both with one call (1.4 us
+    instead of ~3.8 for a narrow and a copy_ each)."""
+    if write is not None:
+        _state["write"] = write
     if _state.get("installed"):
         return
     from transformers.cache_utils import DynamicLayer
@@ -91,6 +95,25 @@ def install() -> None:
             return original(self, key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        buffers = self.__dict__.get(_BUFFERS)
+        write = _state.get("write")
+        if buffers is not None and write is not None:
+            kb, vb = buffers.get("keys"), buffers.get("values")
+            if kb is not None and vb is not None and self.keys is kb.view and self.values is vb.view:
+                n = key_states.shape[-2]
+                length = kb.length
+                if (
+                    vb.length == length
+                    and length + n <= kb.capacity
+                    and length + n <= vb.capacity
+                    and key_states.dtype == kb.tensor.dtype
+                    and value_states.dtype == vb.tensor.dtype
+                ):
+                    write(kb.tensor, vb.tensor, key_states, value_states, length)
+                    kb.length = vb.length = length + n
+                    self.keys = kb.view = kb.tensor.as_strided((*kb.lead, length + n, kb.width), kb.stride)
+                    self.values = vb.view = vb.tensor.as_strided((*vb.lead, length + n, vb.width), vb.stride)
+                    return self.keys, self.values
         self.keys = _append(self, "keys", self.keys, key_states)
         self.values = _append(self, "values", self.values, value_states)
         return self.keys, self.values

@@ -65,3 +65,21 @@ def test_dropout_in_training_is_refused(ga):
     m = torch.nn.Module().train()
     with pytest.raises(ValueError, match="dropout is not supported"):
         ga.flash_attn_forward(m, t(1, 2, 2, 64), t(1, 2, 3, 64), t(1, 2, 3, 64), None, dropout=0.1)
+
+
+def test_kv_write_bad_input(ga):
+    keys, values = torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8)
+    k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    with pytest.raises(IndexError, match=r"rows \[10, 11\) of k do not fit in the 10 rows of keys"):
+        ga.kv_write(keys, values, k, v, 10)
+    with pytest.raises(IndexError, match="do not fit"):
+        ga.kv_write(keys, values, k, v, -1)
+    with pytest.raises(TypeError, match="v has dtype Half but values holds Float"):
+        ga.kv_write(keys, values, k, v.half(), 0)
+    with pytest.raises(ValueError, match="all dims but the rows must match"):
+        ga.kv_write(keys, values, torch.randn(1, 3, 1, 8), v, 0)
+    with pytest.raises(ValueError, match="same number of dims"):
+        ga.kv_write(keys, values, k[0], v, 0)
+    with pytest.raises(ValueError, match="last dim must be dense"):
+        ga.kv_write(torch.zeros(1, 2, 10, 16)[..., ::2], values, k, v, 0)
+    assert not keys.any() and not values.any()  # nothing written by a refused call

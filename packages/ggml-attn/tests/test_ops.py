@@ -194,6 +194,23 @@ def test_decode_heads_split_over_threads(ga, hq, hkv, skv, d):
     assert rel_err(two[1], ga.reference.flash_attn(q, k, v, sinks=sinks)) < TOL[torch.float32]
 
 
+def test_kv_write_equals_narrow_copy(ga):
+    """A cache append writes exactly what `buffer.narrow(-2, position, n).copy_(new)` writes, for
+    strided new rows (a model's transposed k/v) and several rows at once, and nothing else."""
+    keys, values = torch.randn(2, 3, 20, 8), torch.randn(2, 3, 20, 16)
+    want_k, want_v = keys.clone(), values.clone()
+    for position, n in ((0, 4), (4, 1), (5, 3)):
+        k = torch.randn(2, n, 3, 8).transpose(1, 2)
+        v = torch.randn(2, n, 3, 16).transpose(1, 2)
+        ga.kv_write(keys, values, k, v, position)
+        want_k.narrow(-2, position, n).copy_(k)
+        want_v.narrow(-2, position, n).copy_(v)
+        torch.testing.assert_close(keys, want_k, rtol=0, atol=0)
+        torch.testing.assert_close(values, want_v, rtol=0, atol=0)
+    ga.kv_write(keys, values, k[:, :, :0], v[:, :, :0], 20)  # nothing to write at the end: fine
+    torch.testing.assert_close(keys, want_k, rtol=0, atol=0)
+
+
 def test_thread_count_does_not_change_results(ga):
     q, k, v = qkv(1, 4, 2, 200, 200, 64)
     before = torch.get_num_threads()
@@ -218,3 +235,20 @@ def test_torch_compile_fullgraph(ga):
     q, k, v = qkv(1, 4, 2, 6, 6, 64)
     f = torch.compile(lambda q, k, v: ga.flash_attn(q, k, v, causal=True) * 2, fullgraph=True, backend="eager")
     torch.testing.assert_close(f(q, k, v), ga.flash_attn(q, k, v, causal=True) * 2, rtol=0, atol=0)
+
+
+def test_kv_write_under_torch_compile(ga):
+    """The in-place append traces (its schema declares the mutations) and writes the same rows."""
+    def append_and_attend(keys, values, k, v, q, position: int):
+        ga.kv_write(keys, values, k, v, position)
+        return ga.flash_attn(q, keys[:, :, : position + 1], values[:, :, : position + 1], causal=True)
+
+    q, k, v = qkv(1, 4, 2, 1, 1, 64)
+    keys, values = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    keys2, values2 = keys.clone(), values.clone()
+    compiled = torch.compile(append_and_attend, fullgraph=True, backend="eager")
+    got = compiled(keys, values, k, v, q, 3)
+    want = append_and_attend(keys2, values2, k, v, q, 3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(keys, keys2, rtol=0, atol=0)
+    torch.testing.assert_close(values, values2, rtol=0, atol=0)

@@ -14,11 +14,15 @@ GGML_KERNELS_LIBRARY(m) {
   // Rotary position embedding of transformers' Llama family on its own cos / sin, both q and k:
   // x * cos + rotate_half(x) * sin, q (B, Hq, T, D), k (B, Hk, T, D), cos / sin (B or 1, T, D).
   m.def("rotary_half(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  // A key/value cache append: k (..., n, D) and v (..., n, Dv) written into rows [position,
+  // position + n) of the buffers keys (..., capacity, D) and values (..., capacity, Dv), in place.
+  m.def("kv_write(Tensor(a!) keys, Tensor(b!) values, Tensor k, Tensor v, int position) -> ()");
 }
 
 GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
   m.impl("flash_attn", &flash_attn_cpu);
   m.impl("rotary_half", &rotary_half_cpu);
+  m.impl("kv_write", &kv_write_cpu);
 }
 
 GGML_KERNELS_PYTHON_MODULE()

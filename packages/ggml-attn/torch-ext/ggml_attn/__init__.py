@@ -9,6 +9,7 @@
 - `apply_rotary(q, k, cos, sin, unsqueeze_dim=1)`: transformers' `apply_rotary_pos_emb` (Llama family,
   rotate_half form) on its own cos / sin tables, q and k in one call; `layers.RotaryPosEmb` is the
   kernels-library layer for the `rotary_pos_emb` function kernel transformers maps.
+- `kv_write(keys, values, k, v, position)`: a key/value cache append in place, both in one call.
 
 A query whose keys are all masked (left padding) gets zeros, never NaN.
 """
@@ -22,8 +23,8 @@ from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
-    "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward", "info", "layers",
-    "reference", "supports_flash_attn",
+    "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward", "info", "kv_write",
+    "layers", "reference", "supports_flash_attn",
 ]
 
 MAX_HEAD_DIM = 1024
@@ -111,6 +112,18 @@ def apply_rotary(
 def _rotary_half_fake(q, k, cos, sin):
     same_device("rotary_half", q=q, k=k, cos=cos, sin=sin)
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def kv_write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
+    """Write k (..., n, D) and v (..., n, Dv) into rows [position, position + n) of the cache
+    buffers keys (..., capacity, D) and values (..., capacity, Dv), in place (a decode step's append:
+    one call for both, instead of a narrow and a copy_ each). Same dtype, matching leading dims."""
+    ops.kv_write.default(keys, values, k, v, int(position))
+
+
+@torch.library.register_fake(add_op_namespace_prefix("kv_write"))
+def _kv_write_fake(keys, values, k, v, position):
+    same_device("kv_write", keys=keys, values=values, k=k, v=v)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("flash_attn"))
