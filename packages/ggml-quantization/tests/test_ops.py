@@ -344,12 +344,12 @@ def test_torch_compile_fullgraph(gq):
     x = torch.randn(3, cols)
     ids = torch.zeros(3, 2, dtype=torch.int32)
     compiled = torch.compile(f, fullgraph=True, backend="eager")
-    for a, b in zip(compiled(x, ids), f(x, ids)):
+    for a, b in zip(compiled(x, ids), f(x, ids), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
     def g(x):  # leading dims: the traced (fake) shapes must be the kernels' for these views to trace
         return gq.mul_mat_vec(blocks, x, 12, ROWS).view(2, ROWS), gq.mul_mat_group([blocks], x, [12], [ROWS])[0].view(2, ROWS)
 
     x3 = torch.randn(1, 2, cols)
-    for a, b in zip(torch.compile(g, fullgraph=True, backend="eager")(x3), g(x3)):
+    for a, b in zip(torch.compile(g, fullgraph=True, backend="eager")(x3), g(x3), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
