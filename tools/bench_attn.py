@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_testing  # noqa: E402
-from benchutil import fmt_time, median_time  # noqa: E402
+from benchutil import fmt_time, keep_freed_memory, median_time  # noqa: E402
 
 LAYOUTS = {"0.8B": (8, 2, 256), "4B": (16, 4, 256)}
 
@@ -36,6 +36,7 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     kernel_testing.point_hub_ids_at_local_builds()
     ga = kernel_testing.load_kernel("ggml-org/ggml-attn")
 

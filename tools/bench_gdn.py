@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
+from benchutil import keep_freed_memory  # noqa: E402
 
 HIDDEN, HK, D, KERNEL = 1024, 16, 128, 4
 PREFILL = 512
@@ -85,11 +86,21 @@ class RefOps:
     def causal_conv1d(self, x, w, state, bias, activation):
         return self.ref.causal_conv1d(x, w, state, activation, bias=bias)
 
+    def causal_conv1d_(self, x, w, state, bias, activation):  # decode: the rolling state in place
+        y, new_state = self.ref.causal_conv1d(x, w, state, activation, bias=bias)
+        state.copy_(new_state)
+        return y
+
     def gates(self, A_log, a, dt_bias, b):
         return self.ref.gates(A_log, a, dt_bias, b)
 
     def gated_delta_net(self, q, k, v, g, beta, state, l2, scale):
         return self.ref.gated_delta_net(q, k, v, g, beta, state, l2_normalize_qk=l2, scale=scale)
+
+    def gated_delta_net_(self, q, k, v, g, beta, state, l2, scale):  # decode: the state in place
+        out, new_state = self.gated_delta_net(q, k, v, g, beta, state, l2, scale)
+        state.copy_(new_state)
+        return out
 
     def gated_rms_norm(self, x, z, w, eps):
         return self.ref.gated_rms_norm(x, z, w, eps)
@@ -188,6 +199,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     args.threads = torch.get_num_threads()
     if args.min_time is None:
         args.min_time = 0.3 if args.quick else 1.0

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
+from benchutil import keep_freed_memory  # noqa: E402
 
 HIDDEN = [1024, 2560, 4096]
 TOKENS = [1, 512]
@@ -89,6 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
 
     from tabulate import tabulate
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm

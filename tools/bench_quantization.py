@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
+from benchutil import keep_freed_memory  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ggml_ctypes  # noqa: E402
@@ -341,6 +342,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     args.threads = torch.get_num_threads()
     if args.min_time is None:
         args.min_time = 0.1 if args.quick else 0.2

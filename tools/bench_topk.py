@@ -42,6 +42,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; not
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tools"))
+from benchutil import keep_freed_memory  # noqa: E402
+
 TOKENS = [1, 512]
 EXPERTS = [64, 128, 256]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -118,6 +121,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     rounds = args.rounds or (3 if args.quick else 5)
     min_time = args.min_time or (0.25 if args.quick else 1.0)
     k = load_kernel()
