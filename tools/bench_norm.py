@@ -54,10 +54,11 @@ def load_kernel():
 
 
 def kernelized(module):
+    from kernel_testing import variant_dir  # the CPU build for this torch, whatever torch's backend
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
     swapped = copy.deepcopy(module)
-    repo = LocalLayerRepository(repo_path=PACKAGE, layer_name="RMSNormZeroCentered")
+    repo = LocalLayerRepository(repo_path=variant_dir("ggml-norm"), layer_name="RMSNormZeroCentered")
     with use_kernel_mapping({"RMSNormZeroCentered": {"cpu": repo}}, inherit_mapping=False):
         kernelize(swapped, device="cpu", mode=Mode.INFERENCE)
     assert swapped.forward.__func__.__qualname__ == "RMSNormZeroCentered.forward"

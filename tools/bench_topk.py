@@ -74,6 +74,7 @@ def eager_routing(router_logits: torch.Tensor, top_k: int):
 def router_modules(kernel, experts: int, dtype: torch.dtype):
     """transformers' Qwen3.5-MoE router (random weights) and a copy kernelized with our layer."""
     try:
+        from kernel_testing import variant_dir  # the CPU build for this torch, whatever torch's backend
         from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
@@ -84,7 +85,7 @@ def router_modules(kernel, experts: int, dtype: torch.dtype):
     with torch.no_grad():
         orig.weight.normal_(0, 0.02)
     orig = orig.to(dtype).eval()
-    mapping = {"SoftmaxTopKRouter": {"cpu": LocalLayerRepository(repo_path=PACKAGE, layer_name="SoftmaxTopKRouter")}}
+    mapping = {"SoftmaxTopKRouter": {"cpu": LocalLayerRepository(repo_path=variant_dir("topk"), layer_name="SoftmaxTopKRouter")}}
     with use_kernel_mapping(mapping, inherit_mapping=False):
         ours = kernelize(copy.deepcopy(orig), device="cpu", mode=Mode.INFERENCE)
     return orig, ours
