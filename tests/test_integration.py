@@ -27,8 +27,15 @@ What is expected, and why the bounds are what they are:
   near-tied, so token equality is required against llama.cpp, not against float32.
 - A cached decode equals an uncached forward over the same tokens (same top-1, logits within
   1 % of their range: the decode runs mat-vec kernels, the forward mat-mat ones, each quantizing
-  its own input rows; the MoE's shows 0.14 %).
-- A left-padded batch of two equals the two prompts run alone, logits and generated tokens.
+  its own input rows; the MoE's shows 0.14 %). Like for like: the forward runs with `dense_prefill`
+  off, because its bfloat16 GEMM (40 rows here) does not round activations to 8 bits as the decode's
+  mat-vecs do (1.3 % apart on the tiny MoE; each closer to float32 than to the other).
+- A left-padded batch of two equals the two prompts run alone, logits and generated tokens, on each
+  matmul path in turn: ggml's mul_mat, then `dense_prefill` forced down to 9 rows (its threshold
+  would otherwise send the 48-row batch to it and the 24- and 9-row prompts to ggml).
+- An 80-token prefill with `dense_prefill` is at least as close to float32 transformers as on
+  ggml's path (SmolLM2: mean KL 3.7e-4 against 2.5e-3), and it ran where the file has block-32
+  weights (see `test_dense_prefill_is_closer_to_float32`).
 - Every kernel ran (the profiler counts our ops by namespace `_<package>_cpu_<hash>::op`): a
   silent fallback to transformers' own code leaves one at zero and fails.
 """
@@ -54,6 +61,9 @@ tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was a little model that"
 ids = tok(PROMPT)["input_ids"][:24]
 N = 16
+# a prompt long enough for dense_prefill on every block-32 type (Q8_0 from 64 rows)
+long_ids = tok(" ".join([PROMPT] * 6))["input_ids"][:80]
+assert len(long_ids) == 80
 
 def log_softmax(x):
     x = x - x.max(-1, keepdims=True)
@@ -66,6 +76,9 @@ def compare(a, b):
 
 # llama.cpp: logits at every prompt position, then greedy tokens
 llm = llama_cpp.Llama(model_path=str(path), n_threads=2, logits_all=True, verbose=False, n_ctx=256, type_k=0, type_v=0)
+llm.eval(long_ids)
+llama_long = np.array(llm.scores[: len(long_ids)], dtype=np.float64)
+llm.reset()
 llm.eval(ids)
 llama_logits = np.array(llm.scores[: len(ids)], dtype=np.float64)
 llama_gen = []
@@ -82,6 +95,7 @@ stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, d
 x = torch.tensor([ids])
 with torch.no_grad():
     stock_logits = stock(x).logits[0].double().numpy()
+    stock_long = stock(torch.tensor([long_ids])).logits[0].double().numpy()
 del stock
 
 # transformers on our kernels
@@ -93,19 +107,38 @@ with torch.inference_mode():  # inference tensors reach the kernels' worker thre
     with prof:
         logits = model(x).logits[0].double().numpy()
         out = model.generate(x, max_new_tokens=N, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        # 80 rows: the prefill matmuls on block-32 weights take dense_prefill (on a bfloat16 CPU)
+        long_dense = model(torch.tensor([long_ids])).logits[0].double().numpy()
+    gk.dense_prefill.set_enabled(False)
+    long_ggml = model(torch.tensor([long_ids])).logits[0].double().numpy()
     gen = out.sequences[0, len(ids):].tolist()
     cached = torch.stack(out.logits, 1)[0]
+    # like for like: the decode's mat-vecs and the forward's mat-mats both on ggml's 8-bit activations
     uncached = model(out.sequences).logits[0, len(ids) - 1 : -1]
+    gk.dense_prefill.set_enabled(True)
     # a left-padded batch of two, with the position ids generate() would give it
     short = ids[:9]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch = torch.tensor([ids, [pad] * (len(ids) - len(short)) + short])
     mask = torch.tensor([[1] * len(ids), [0] * (len(ids) - len(short)) + [1] * len(short)])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    batch_logits = model(batch, attention_mask=mask, position_ids=positions).logits
-    alone = [model(torch.tensor([ids])).logits[0], model(torch.tensor([short])).logits[0]]
-    batch_gen = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=pad)[:, len(ids):]
-    alone_gen = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):] for p in (ids, short)]
+
+    def padded_and_alone():
+        batch_logits = model(batch, attention_mask=mask, position_ids=positions).logits
+        alone = [model(torch.tensor([ids])).logits[0], model(torch.tensor([short])).logits[0]]
+        batch_gen = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=pad)[:, len(ids):]
+        alone_gen = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):] for p in (ids, short)]
+        return batch_logits, alone, batch_gen, alone_gen
+
+    # The batch's 48 rows and the prompts' 24 and 9 rows must take the same matmul path: all on
+    # ggml's mul_mat, then (on a bfloat16 CPU) all on dense_prefill, forced down to 9 rows.
+    gk.dense_prefill.set_enabled(False)
+    pad_runs = [padded_and_alone()]
+    gk.dense_prefill.set_enabled(True)
+    saved_min_rows = dict(gk.dense_prefill.MIN_ROWS)
+    gk.dense_prefill.MIN_ROWS.update({t: 9 for t in saved_min_rows})
+    pad_runs.append(padded_and_alone())
+    gk.dense_prefill.MIN_ROWS.update(saved_min_rows)
 
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
@@ -119,11 +152,16 @@ res = {
     "calls": calls,
     "vs_llama": compare(llama_logits, logits),
     "vs_stock": compare(stock_logits, logits),
+    "long_dense_vs_stock": compare(stock_long, long_dense),
+    "long_ggml_vs_stock": compare(stock_long, long_ggml),
+    "long_dense_vs_llama": compare(llama_long, long_dense),
+    "long_ggml_vs_llama": compare(llama_long, long_ggml),
+    "native_bf16": gk.dense_prefill.native_bf16(),
     "gen": gen, "llama_gen": llama_gen,
     "cache_rel": rel(cached, uncached),
     "cache_top1": bool(torch.equal(cached.argmax(-1), uncached.argmax(-1))),
-    "pad_rel": max(rel(batch_logits[0], alone[0]), rel(batch_logits[1, len(ids) - len(short):], alone[1])),
-    "pad_gen": [bool(torch.equal(batch_gen[i], alone_gen[i])) for i in range(2)],
+    "pad_rel": [max(rel(b[0], a[0]), rel(b[1, len(ids) - len(short):], a[1])) for b, a, _, _ in pad_runs],
+    "pad_gen": [[bool(torch.equal(bg[i], ag[i])) for i in range(2)] for _, _, bg, ag in pad_runs],
     "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
     "attn": model.config._attn_implementation,
 }
@@ -185,5 +223,33 @@ def test_cached_decode_equals_uncached_forward(run):
 
 def test_left_padded_batch_equals_prompts_alone(run):
     _, res = run
-    assert res["pad_rel"] < 1e-4, res["pad_rel"]
-    assert res["pad_gen"] == [True, True]
+    # ggml's mul_mat, then dense_prefill (bfloat16 GEMM, the same for every row count)
+    assert max(res["pad_rel"]) < 1e-4, res["pad_rel"]
+    assert res["pad_gen"] == [[True, True], [True, True]]
+
+
+# configs with block-32 weights (Q4_0 / Q4_1 / Q8_0) in an 80-row prefill: SmolLM2 is Q4_1 throughout,
+# the tiny MoE has a few Q8_0 matrices, the tiny dense model's prefill matmuls are all K-quants
+DENSE_PREFILL_RUNS = {"qwen35-tiny": False, "qwen35moe-tiny": True, "smollm2": True}
+
+
+def test_dense_prefill_is_closer_to_float32(run):
+    """An 80-token prefill with `dense_prefill` (ggml's dequantize + a bfloat16 GEMM on block-32
+    weights) against the same prefill on ggml's mul_mat (8-bit activations): the dense path must have
+    run where the file has such weights, and be at least as close to float32 transformers. Measured
+    (AVX512-BF16 CPU): SmolLM2 mean KL against float32 3.7e-4 dense, 2.5e-3 ggml (top-1 0.99 / 0.98);
+    tiny MoE 5.3e-3 / 5.5e-3 (few Q8_0 matrices). Against llama.cpp, which rounds activations as
+    ggml's path does, the dense path is as far as float32 transformers is (SmolLM2 2.5e-3, MoE 3.8e-4),
+    so it is held to the float32 bound of its config."""
+    config, res = run
+    dense, ggml = res["long_dense_vs_stock"], res["long_ggml_vs_stock"]
+    ran = res["calls"].get("_ggml_quantization::dequantize", 0)
+    if not (res["native_bf16"] and DENSE_PREFILL_RUNS[config]):  # ggml's path all along: the same logits
+        assert ran == 0 and dense == ggml, (ran, dense, ggml)
+        return
+    assert ran > 0
+    assert dense["kl_mean"] <= ggml["kl_mean"] * 1.05, (dense, ggml)
+    assert dense["top1"] >= ggml["top1"] - 0.02, (dense, ggml)
+    assert res["long_dense_vs_llama"]["kl_mean"] < CASES[config][4], res["long_dense_vs_llama"]
+    if config == "smollm2":  # every matrix Q4_1: the difference shows
+        assert dense["kl_mean"] < 0.5 * ggml["kl_mean"], (dense, ggml)

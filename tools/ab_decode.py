@@ -1,18 +1,22 @@
-"""A/B of one integration feature on whole-model decode, alternating inside one process.
+"""A/B of one integration feature on whole-model prefill and decode, alternating inside one process.
 
 Separate runs minutes apart disagree by 10-20 % on a shared machine; switching the feature on and
 off between rounds of the same process does not. Loads a GGUF file with `enable()`, then times
-`--rounds` rounds of (prefill, `--decode-tokens` greedy steps) with the feature off, then on, and
-prints the median ms per token of each.
+`--rounds` rounds of (prefill of `--prompt-tokens`, `--decode-tokens` greedy steps) with the feature
+off, then on, and prints the median prefill tokens/s and decode ms per token of each.
 
     python tools/ab_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature rotary
     python tools/ab_decode.py --gguf qwen35-0.8b.Q4_K_M.gguf --feature kv-cache --prompt-tokens 1024
+    python tools/ab_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature dense-prefill --prompt-tokens 512
 
 Features:
     kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat
     rotary    ggml-attn's RotaryPosEmb vs transformers' apply_rotary_pos_emb (Llama-family files)
     linear    ggml_kernels_integration.projection_groups' GgufLinear.forward (sibling projections in
               one mul_mat_group call, other decode linears on the op directly) vs transformers' own
+    dense-prefill
+              ggml_kernels_integration.dense_prefill (block-32 weights: ggml's dequantize + a
+              bfloat16 GEMM for 32-64+ rows) vs ggml-quantization's mul_mat for every prefill matmul
 """
 
 from __future__ import annotations
@@ -64,7 +68,20 @@ def _switch_linear(model):
     return use
 
 
-FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear}
+def _switch_dense_prefill(model):
+    from ggml_kernels_integration import dense_prefill
+
+    if not dense_prefill.native_bf16():
+        raise SystemExit("this CPU has no bfloat16 dot products: dense_prefill never applies here")
+
+    def use(on: bool) -> None:
+        dense_prefill._state["enabled"] = on
+
+    return use
+
+
+FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear,
+            "dense-prefill": _switch_dense_prefill}
 
 
 def main() -> None:
@@ -86,21 +103,26 @@ def main() -> None:
     runner = bench.TransformersRunner(model)
     ids = bench.prompt_ids(args.prompt_tokens, vocab)
     times = {False: [], True: []}
+    prefill = {False: [], True: []}
     tokens = {}
     with torch.inference_mode():
         runner.decode(*runner.prefill(ids), 8)  # warm-up
         for _ in range(args.rounds):
             for on in (False, True):
                 use(on)
+                start = time.perf_counter()
                 cache, token = runner.prefill(ids)
+                prefill[on].append(args.prompt_tokens / (time.perf_counter() - start))
                 start = time.perf_counter()
                 _, token = runner.decode(cache, token, args.decode_tokens)
                 times[on].append((time.perf_counter() - start) / args.decode_tokens * 1e3)
                 tokens[on] = int(token)
     use(True)
     off, on = statistics.median(times[False]), statistics.median(times[True])
+    p_off, p_on = statistics.median(prefill[False]), statistics.median(prefill[True])
     print(f"{args.gguf.name}, {args.feature}, prompt {args.prompt_tokens}, {args.decode_tokens} decode steps, "
-          f"median of {args.rounds} alternating rounds: off {off:.2f} ms/token, on {on:.2f} ms/token "
+          f"median of {args.rounds} alternating rounds: prefill off {p_off:.1f} tok/s, on {p_on:.1f} tok/s "
+          f"({p_on / p_off:.3f}x); decode off {off:.2f} ms/token, on {on:.2f} ms/token "
           f"({off / on:.3f}x); last greedy token off {tokens[False]}, on {tokens[True]}")
 
 

@@ -22,6 +22,8 @@ What is measured, with the same token ids for every backend (`prompt_ids`):
                      (peak right after loading) and rss_after_load_mib (resident right after loading)
     kernel_calls     transformers backends: our ops the profiler saw in one extra, untimed pass
                      (`PROFILED_PROMPT_TOKENS`-token prefill + `PROFILED_DECODE_STEPS` decode steps)
+    dense_prefill    kernels backend: whether block-32 prefill matmuls took `dense_prefill` (a CPU
+                     with bfloat16 dot products, not switched off)
 """
 
 from __future__ import annotations
@@ -227,6 +229,13 @@ def ggml_versions() -> dict:
     return {"ggml": info["ggml"], "ggml_cpu_level": info["cpu_variant"]}
 
 
+def dense_prefill_active() -> bool:
+    """Whether prefill matmuls on block-32 weights take ggml_kernels_integration.dense_prefill here."""
+    from ggml_kernels_integration import dense_prefill
+
+    return dense_prefill.native_bf16() and dense_prefill._state["enabled"]
+
+
 def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: int, repeats: int) -> dict:
     import torch
     import transformers
@@ -253,6 +262,7 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
         "profiled": f"{PROFILED_PROMPT_TOKENS}-token prefill + {PROFILED_DECODE_STEPS} decode steps",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      **(ggml_versions() if backend == "kernels" else {})},
+        **({"dense_prefill": dense_prefill_active()} if backend == "kernels" else {}),
     }
 
 
