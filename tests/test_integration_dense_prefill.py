@@ -92,3 +92,19 @@ def test_native_bf16_reads_the_cpu_flags():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()
     assert dense_prefill.native_bf16() == bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def test_enable_switches_it():
+    """`enable(dense_prefill=False)` keeps every prefill matmul on ggml; a later `enable()` turns the
+    path back on (enable() patches transformers for the whole process: a fresh one)."""
+    from kernel_testing import fresh_process
+
+    proc = fresh_process(
+        "import ggml_kernels_integration as gk\n"
+        "from ggml_kernels_integration import dense_prefill as d\n"
+        "gk.enable(dense_prefill=False); off = d.applies(3, 512) or d._state['enabled']\n"
+        "gk.enable(); on = d._state['enabled']\n"
+        "print('RESULT', off, on)\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("RESULT")[-1].split() == ["False", "True"]
