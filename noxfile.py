@@ -1,8 +1,9 @@
 """Build, test and benchmark every package against every torch in the matrix.
 
     nox -s build                      # every package for every torch
-    nox -s tests                      # the test matrix (torch x packages)
+    nox -s tests                      # the test matrix: every test once, the fast tier on every torch
     nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
+    nox -s lint                       # ruff and clang-format, checking only (-- --fix rewrites the files)
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
     nox -s demo                       # the main job (README)
     nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
@@ -69,15 +70,41 @@ def build(session: nox.Session, torch: str) -> None:
     _build(session)
 
 
+# The slow tier (tests marked `slow`: fresh processes, whole models, the bench tools) runs on this
+# torch only; every torch runs the fast tier, which holds every kernel and ABI test.
+SLOW_TIER_TORCH = TORCH[0]
+
+
 @nox.session
 @nox.parametrize("torch", TORCH)
 def tests(session: nox.Session, torch: str) -> None:
-    """Build, then run the tests of every package (or the paths given after --)."""
+    """Build, then run the tests of every package (or the paths given after --): all of them on
+    SLOW_TIER_TORCH, the fast tier (`-m "not slow"`) on the other torches; an `-m` after -- wins."""
     _install(session, torch, *TEST_DEPS)
     _install_llama_cpp(session)
     _install_integration(session)
     _build(session)
-    session.run("python", "-m", "pytest", *(session.posargs or []), env=_env(session))
+    tier = [] if torch == SLOW_TIER_TORCH else ["-m", "not slow"]
+    session.run("python", "-m", "pytest", *tier, *session.posargs, env=_env(session))
+
+
+LINT_DEPS = ["ruff==0.17.6", "clang-format==23.1.5"]
+
+
+def _cxx_sources() -> list[str]:
+    """Our C/C++ sources (ggml's own are fetched into the cache, never here)."""
+    found = [p for pattern in ("common/*", "packages/*/*/*") for p in REPO.glob(pattern)]
+    return sorted(str(p.relative_to(REPO)) for p in found if p.suffix in (".c", ".cpp", ".h") and "build" not in p.parts)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the Python (pyproject.toml's [tool.ruff]), clang-format over the C/C++
+    (.clang-format), both checking only; `-- --fix` rewrites the files instead."""
+    session.install(*LINT_DEPS)
+    fix = "--fix" in session.posargs
+    session.run("ruff", "check", *(["--fix"] if fix else []), ".")
+    session.run("clang-format", "-i" if fix else "--dry-run", "--Werror", *_cxx_sources())
 
 
 def _install_model_runs(session: nox.Session, *extra: str) -> None:
