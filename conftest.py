@@ -1,11 +1,7 @@
-"""Repo-wide pytest setup: tools/ on sys.path (test helpers, oracles) and LOCAL_KERNELS pointing
-every Hub id at its package folder, so tests load builds the way users do (tools/kernel_testing.py)."""
+"""Repo-wide pytest setup: LOCAL_KERNELS points every Hub id at its package folder, so tests load
+builds the way users do (tools/testing/kernel_testing.py; the repository root is on sys.path through
+pyproject's `pythonpath`, so tests import the tools as `tools.<job>.<module>`)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
-
-import kernel_testing  # noqa: E402
+from tools.testing import kernel_testing
 
 kernel_testing.point_hub_ids_at_local_builds()

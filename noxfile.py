@@ -15,13 +15,11 @@ Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle w
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import nox
 
 REPO = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "tools"))
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -47,12 +45,12 @@ def _install(session: nox.Session, torch: str, *extra: str) -> None:
 
 
 def _build(session: nox.Session) -> None:
-    session.run("python", "tools/build.py", env=_env(session))
+    session.run("python", "-m", "tools.build", env=_env(session))
 
 
 def _install_llama_cpp(session: nox.Session) -> None:
     """The independent oracle: llama.cpp b11312 via llama-cpp-python, built once and cached."""
-    wheel = session.run("python", "tools/llama_cpp_wheel.py", silent=True, env=_env(session)).strip().splitlines()[-1]
+    wheel = session.run("python", "-m", "tools.build.llama_cpp_wheel", silent=True, env=_env(session)).strip().splitlines()[-1]
     session.install("--no-deps", wheel)
     session.install(*LLAMA_CPP_DEPS)
 
@@ -120,14 +118,14 @@ def _install_model_runs(session: nox.Session, *extra: str) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: GGUF models in transformers on our kernels, vs transformers alone and llama.cpp."""
     _install_model_runs(session)
-    session.run("python", "tools/demo.py", *session.posargs, env=_env(session))
+    session.run("python", "-m", "tools.bench.demo", *session.posargs, env=_env(session))
 
 
 @nox.session(name="bench-e2e")
 def bench_e2e(session: nox.Session) -> None:
     """Whole models on every backend (ours, transformers f32/bf16, llama.cpp): bench-results/e2e.*"""
     _install_model_runs(session, "matplotlib")
-    session.run("python", "tools/bench_e2e.py", *session.posargs, env=_env(session))
+    session.run("python", "-m", "tools.bench.bench_e2e", *session.posargs, env=_env(session))
 
 
 @nox.session
@@ -136,7 +134,7 @@ def bench(session: nox.Session) -> None:
     _install(session, TORCH[0], *TEST_DEPS)
     _install_llama_cpp(session)
     _build(session)
-    for script in sorted((REPO / "tools").glob("bench_*.py")):  # one table per package
+    for script in sorted((REPO / "tools" / "bench").glob("bench_*.py")):  # one table per package
         if script.name == "bench_e2e.py":  # whole models, not one package: its own session, bench-e2e
             continue
-        session.run("python", str(script.relative_to(REPO)), *session.posargs, env=_env(session))
+        session.run("python", "-m", f"tools.bench.{script.stem}", *session.posargs, env=_env(session))

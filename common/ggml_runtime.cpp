@@ -16,7 +16,7 @@
 namespace ggml_kernels {
 namespace {
 
-// Best first. Names and required features match VARIANTS in tools/ggml_runtime.py.
+// Best first. Names and required features match VARIANTS in tools/build/ggml_runtime.py.
 bool has_haswell() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");

@@ -1,6 +1,6 @@
 // The ggml CPU runtime as seen by a package's extension.
 //
-// ggml-base + ggml-cpu are built once per x86-64 feature level (tools/ggml_runtime.py) into
+// ggml-base + ggml-cpu are built once per x86-64 feature level (tools/build/ggml_runtime.py) into
 // libggml-kernels-cpu-<variant>.so next to the extension. At first use the best variant the running
 // CPU supports is loaded with dlopen(RTLD_LOCAL) and ggml's C API is reached through the function
 // table below, so no ggml symbol of ours can clash with another ggml in the same process.

@@ -1,4 +1,4 @@
-"""Every per-package benchmark tool (tools/bench_*.py, what `nox -s bench` runs) still runs.
+"""Every per-package benchmark tool (tools/bench/bench_*.py, what `nox -s bench` runs) still runs.
 
 Nothing else executes them, and one had rotted unnoticed: bench_gdn.py's pure-PyTorch stand-in for
 the ops lacked the in-place decode ops the layer learned later, so its first table row raised. Each
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools" / "bench"
 # tool -> the implementations its table must name in its header
 TABLE_COLUMNS = {
     "bench_norm.py": ("ours", "tf eager", "reference"),
@@ -34,8 +35,8 @@ def test_every_tool_is_listed():
 @pytest.mark.parametrize("tool", sorted(TABLE_COLUMNS))
 def test_tool_runs_quick(tool):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(TOOLS / tool), "--quick", "--markdown"], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", f"tools.bench.{Path(tool).stem}", "--quick", "--markdown"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(table) >= 3, proc.stdout[-3000:]  # header, separator, at least one row

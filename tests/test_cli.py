@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import ggml_kernels_integration  # noqa: F401, E402  (installed by nox: missing, these tests fail, not skip)
-import make_gguf
+from tools.models import make_gguf
 import pytest
 
 

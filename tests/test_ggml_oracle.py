@@ -1,4 +1,4 @@
-"""ggml-quantization against llama.cpp's own ggml, through tools/ggml_ctypes.py.
+"""ggml-quantization against llama.cpp's own ggml, through tools/testing/ggml_ctypes.py.
 
 The oracle is llama-cpp-python's separately built libggml (same pinned ggml commit, see
 upstream.toml): quantization must give the very same bytes, and the matrix products the same
@@ -7,7 +7,6 @@ numbers up to float summation order. Skipped as a whole when llama_cpp is not in
 
 from __future__ import annotations
 
-import sys
 import zlib
 from pathlib import Path
 
@@ -20,8 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import ggml_ctypes  # noqa: E402
+from tools.testing import ggml_ctypes  # noqa: E402
 
 if not ggml_ctypes.available():
     pytest.skip(f"ggml oracle unavailable: {ggml_ctypes.unavailable_reason()}", allow_module_level=True)
@@ -50,7 +48,7 @@ RTOL_ROW = 1e-5
 
 @pytest.fixture(scope="module")
 def ggml_quant_ext():
-    from kernel_testing import load_kernel
+    from tools.testing.kernel_testing import load_kernel
 
     return load_kernel("ggml-org/ggml-quantization")  # a missing build fails, it is not skipped
 

@@ -1,4 +1,4 @@
-"""The generated Qwen3.5 GGUF files (tools/make_gguf.py) load in llama.cpp and in transformers, and
+"""The generated Qwen3.5 GGUF files (tools/models/make_gguf.py) load in llama.cpp and in transformers, and
 both compute the same model from them.
 
 The tiny models are written into a temporary folder. Against llama.cpp b11312 (llama-cpp-python):
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_gguf
+from tools.models import make_gguf
 import numpy as np
 import pytest
 

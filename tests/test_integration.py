@@ -1,6 +1,6 @@
 """transformers on our kernels, end to end (issue 5): `ggml_kernels_integration.enable()`, then
 transformers' ordinary `from_pretrained(..., gguf_file=...)` and `generate`, on the tiny Qwen3.5
-dense and MoE files (Q4_K_M mix, tools/make_gguf.py) and the real SmolLM2-135M Q4_1 (arch llama).
+dense and MoE files (Q4_K_M mix, tools/models/make_gguf.py) and the real SmolLM2-135M Q4_1 (arch llama).
 
 Three runs of the same file and tokens, each model in its own fresh process (enable() patches
 transformers for the whole process):
@@ -46,17 +46,17 @@ import json
 
 import llama_cpp  # noqa: F401  (the oracle here: nox installs llama.cpp b11312; missing, these tests fail, not skip)
 import pytest
-from kernel_testing import fresh_process
+from tools.testing.kernel_testing import fresh_process
 
 CODE = """
 import json, os, sys
 import numpy as np, torch
-import make_gguf, models
+from tools.models import make_gguf, smollm2
 import llama_cpp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.gguf import kernels as gguf_kernels
 
-path = models.smollm2_gguf() if CONFIG == "smollm2" else make_gguf.ensure(CONFIG, "Q4_K_M")
+path = smollm2.gguf_path() if CONFIG == "smollm2" else make_gguf.ensure(CONFIG, "Q4_K_M")
 tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was a little model that"
 ids = tok(PROMPT)["input_ids"][:24]

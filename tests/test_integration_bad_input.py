@@ -13,9 +13,9 @@ import struct
 from pathlib import Path
 
 import ggml_kernels_integration as gk
-import make_gguf
+from tools.models import make_gguf
 import pytest
-from kernel_testing import fresh_process
+from tools.testing.kernel_testing import fresh_process
 
 
 def _patch(data: bytearray, old: bytes, new: bytes) -> bytearray:
@@ -92,10 +92,10 @@ def test_check_gguf_missing_file(tmp_path):
 
 
 def test_good_files_pass():
-    import models
+    from tools.models import smollm2
 
     for path in (make_gguf.ensure("qwen35-tiny", "Q4_K_M"), make_gguf.ensure("qwen35moe-tiny", "Q4_K_M"),
-                 models.smollm2_gguf()):
+                 smollm2.gguf_path()):
         summary = gk.check_gguf(path)
         assert summary.data_bytes <= summary.file_bytes
         assert summary.tensors

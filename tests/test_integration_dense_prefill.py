@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ggml_kernels_integration import dense_prefill
-from kernel_testing import load_kernel
+from tools.testing.kernel_testing import load_kernel
 
 BLOCK_32 = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
 
@@ -97,7 +97,7 @@ def test_native_bf16_reads_the_cpu_flags():
 def test_enable_switches_it():
     """`enable(dense_prefill=False)` keeps every prefill matmul on ggml; a later `enable()` turns the
     path back on (enable() patches transformers for the whole process: a fresh one)."""
-    from kernel_testing import fresh_process
+    from tools.testing.kernel_testing import fresh_process
 
     proc = fresh_process(
         "import ggml_kernels_integration as gk\n"

@@ -16,7 +16,7 @@ def layers(request):
     `kv_write` op for decode appends or (as without that build) torch's narrow + copy_ only, and
     puts transformers' back afterwards unless something in this process had installed it before,
     so later tests comparing against stock transformers really run transformers' own cache."""
-    from kernel_testing import load_kernel  # tools/ (the repo's conftest puts it on sys.path)
+    from tools.testing.kernel_testing import load_kernel
     from transformers.cache_utils import DynamicLayer
 
     installed_before = kv_cache._state.get("installed", False)

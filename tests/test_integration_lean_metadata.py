@@ -6,7 +6,7 @@ reader, which never comes here); other uses of gguf-py's reader are untouched.""
 
 from __future__ import annotations
 
-import models
+from tools.models import smollm2
 import numpy as np
 import pytest
 from ggml_kernels_integration import lean_metadata
@@ -32,7 +32,7 @@ def loaders():
 
 def test_same_config_and_tokenizer_as_gguf_py_parts(loaders):
     original, lean = loaders
-    path = str(models.smollm2_gguf())
+    path = str(smollm2.gguf_path())
     want = original(path, return_tensors=False)
     got = lean(path, return_tensors=False)
     assert set(got) == set(want)
@@ -48,7 +48,7 @@ def test_compact_parts_only_inside_a_config_read(loaders):
     gguf-py's own memory-mapped parts; inside, string elements are bytes."""
     from gguf import GGUFReader
 
-    path = str(models.smollm2_gguf())
+    path = str(smollm2.gguf_path())
     field = GGUFReader(path).fields["tokenizer.ggml.tokens"]
     assert isinstance(field.parts[field.data[0]], np.memmap)
     lean_metadata._local.active = True

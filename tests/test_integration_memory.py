@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 
-from kernel_testing import fresh_process
+from tools.testing.kernel_testing import fresh_process
 
 CODE = """
 import json, resource, os
 import torch
-import make_gguf
+from tools.models import make_gguf
 import ggml_kernels_integration as gk
 from transformers import AutoModelForCausalLM
 

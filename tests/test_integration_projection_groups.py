@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ggml_kernels_integration import projection_groups
-from kernel_testing import load_kernel
+from tools.testing.kernel_testing import load_kernel
 from torch import nn
 
 K = 256

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from kernel_testing import backend_kwargs, fresh_process, hub_ids, local_kernels_env
+from tools.testing.kernel_testing import backend_kwargs, fresh_process, hub_ids, local_kernels_env
 
 PACKAGES = hub_ids()
 LEVELS = ["x64", "haswell", "skylakex", "zen4"]
@@ -69,7 +69,7 @@ def test_abi(repo_id):
 def test_unknown_forced_cpu_level_is_a_clear_error(repo_id):
     """GGML_KERNELS_CPU_VARIANT naming no level we build: a Python exception, not a crash."""
     code = f"""
-from kernel_testing import load_kernel, point_hub_ids_at_local_builds
+from tools.testing.kernel_testing import load_kernel, point_hub_ids_at_local_builds
 point_hub_ids_at_local_builds()
 load_kernel({repo_id!r}).info()
 """

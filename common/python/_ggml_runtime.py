@@ -1,4 +1,4 @@
-"""Python glue every package shares. tools/build.py copies this file into each build folder (a Hub
+"""Python glue every package shares. tools/build/build.py copies this file into each build folder (a Hub
 build must be self-contained), next to the generated _ops.py; import it as `from ._ggml_runtime
 import info, same_device`."""
 

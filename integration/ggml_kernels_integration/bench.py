@@ -8,7 +8,7 @@ Backends:
 
 Measure one backend per process: `enable()` patches transformers for the whole process and cannot be
 undone, transformers caches its kernel choice process-wide, and the peak RSS is one backend's only
-in a process of its own. `python -m ggml_kernels_integration bench` and tools/bench_e2e.py call
+in a process of its own. `python -m ggml_kernels_integration bench` and tools/bench/bench_e2e.py call
 `run()`.
 
 What is measured, with the same token ids for every backend (`prompt_ids`):

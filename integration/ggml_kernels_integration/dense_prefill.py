@@ -21,7 +21,7 @@ Measured (2 threads, AMD EPYC zen4, torch 2.13, ms, ggml's `mul_mat` / this path
     Q4_1 576x1536   M=16 0.25/0.28  M=32 0.48/0.32  M=64 0.96/0.52  M=512 7.77/1.36
     Q4_0 576x1536   M=16 0.23/0.29  M=32 0.46/0.32  M=64 0.92/0.54  M=512 7.80/1.38
     Q8_0 3584x1024  M=16 0.43/0.79  M=32 0.87/1.20  M=64 1.74/1.51  M=512 13.2/5.35
-(scratch scripts, not kept; the whole-model effect: `python tools/ab_decode.py --gguf F --feature
+(scratch scripts, not kept; the whole-model effect: `python -m tools.bench.ab_decode --gguf F --feature
 dense-prefill --prompt-tokens 512`).
 K-quants stay on ggml: Q4_K / Q5_K / Q6_K at 3584x1024, M=512: 4.3 / 4.0 / 4.5 ms on ggml, 4.7 / 5.5
 / 6.5 here.

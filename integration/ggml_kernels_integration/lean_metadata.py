@@ -12,7 +12,7 @@ more than the whole 92 MiB model, and the peak of our whole load.
 object, the elements of a numeric array become views of one ordinary array, and the string length
 parts (which transformers never reads) share one array. transformers parses the same values out of
 them, so the config and tokenizer dictionaries are equal to those of the plain reader; the call
-peaks at +30 MiB and takes 0.18 s on SmolLM2 (`python tools/config_read_memory.py --gguf F`). Only calls with `return_tensors=False` read this way,
+peaks at +30 MiB and takes 0.18 s on SmolLM2 (`python -m tools.bench.config_read_memory --gguf F`). Only calls with `return_tensors=False` read this way,
 and only on the thread making the call: every other use of `GGUFReader` keeps gguf-py's own parts.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import backend_kwargs
+from tools.testing.kernel_testing import backend_kwargs
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface, Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402

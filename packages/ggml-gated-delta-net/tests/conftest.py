@@ -1,5 +1,5 @@
 import pytest
-from kernel_testing import load_kernel
+from tools.testing.kernel_testing import load_kernel
 
 
 @pytest.fixture(scope="session")

@@ -119,7 +119,7 @@ def _config(**kw):
 
 
 def _layer(gdn, config, layer_idx):
-    from kernel_testing import variant_dir
+    from tools.testing.kernel_testing import variant_dir
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
     module = Qwen3_5GatedDeltaNet(config, layer_idx=layer_idx).eval()

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
-from kernel_testing import variant_dir
+from tools.testing.kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import DynamicCache
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig

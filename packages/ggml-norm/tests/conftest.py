@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_testing import load_kernel
+from tools.testing.kernel_testing import load_kernel
 
 
 @pytest.fixture(scope="session")

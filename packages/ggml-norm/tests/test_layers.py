@@ -16,7 +16,7 @@ import copy
 
 import pytest
 import torch
-from kernel_testing import variant_dir
+from tools.testing.kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from kernel_testing import variant_dir
+from tools.testing.kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -2,7 +2,7 @@
 return_tensors=False)`, what AutoConfig and AutoTokenizer run for `llama`-family files), with gguf-py's
 own reader and with `ggml_kernels_integration.lean_metadata`, each in a fresh process.
 
-    python tools/config_read_memory.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m tools.bench.config_read_memory --gguf SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations

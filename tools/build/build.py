@@ -2,15 +2,15 @@
 
 Reads the package's build.toml, compiles the torch binding, the backend sources and the shared glue
 in common/ against the torch of the running interpreter, links them against nothing of ggml's (the
-extension loads ggml's CPU runtime, tools/ggml_runtime.py, at first use), checks the ABI and lays
+extension loads ggml's CPU runtime, tools/build/ggml_runtime.py, at first use), checks the ABI and lays
 out the variant folder that `kernels` loads:
 
     __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
     _ggml_runtime.py (common/python: Python glue every package shares)
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
 
-    python tools/build.py                      # every package
-    python tools/build.py ggml-quantization    # one package
+    python -m tools.build                      # every package
+    python -m tools.build ggml-quantization    # one package
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import os
 import shutil
 import sys
 import sysconfig
-import tomllib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ggml_runtime  # noqa: E402
-import ninja_build as ninja  # noqa: E402
-import upstream  # noqa: E402
+import tomllib
 
-REPO = upstream.REPO
+from tools import REPO
+
+from . import ggml_runtime, upstream
+from . import ninja_build as ninja
+
 COMMON = REPO / "common"
 COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]
 CXXFLAGS = [
@@ -191,7 +191,8 @@ def check_binaries(variant_dir: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("packages", nargs="*", help="package folder names (default: all)")
     ap.add_argument("-j", "--jobs", type=int, default=None)
     ap.add_argument("--no-abi-check", action="store_true")

@@ -5,9 +5,9 @@ off between rounds of the same process does not. Loads a GGUF file with `enable(
 `--rounds` rounds of (prefill of `--prompt-tokens`, `--decode-tokens` greedy steps) with the feature
 off, then on, and prints the median prefill tokens/s and decode ms per token of each.
 
-    python tools/ab_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature rotary
-    python tools/ab_decode.py --gguf qwen35-0.8b.Q4_K_M.gguf --feature kv-cache --prompt-tokens 1024
-    python tools/ab_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature dense-prefill --prompt-tokens 512
+    python -m tools.bench.ab_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature rotary
+    python -m tools.bench.ab_decode --gguf qwen35-0.8b.Q4_K_M.gguf --feature kv-cache --prompt-tokens 1024
+    python -m tools.bench.ab_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature dense-prefill --prompt-tokens 512
 
 Features:
     kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat

@@ -1,15 +1,15 @@
 """The main job: GGUF models run by transformers on our kernels, next to transformers alone and llama.cpp.
 
-1. Model files (made if missing): a Qwen3.5-0.8B-shaped Q4_K_M file (random weights, tools/make_gguf.py)
-   and the real SmolLM2-135M-Instruct Q4_1 (arch llama, tools/models.py).
+1. Model files (made if missing): a Qwen3.5-0.8B-shaped Q4_K_M file (random weights, tools/models/make_gguf.py)
+   and the real SmolLM2-135M-Instruct Q4_1 (arch llama, tools/models/smollm2.py).
 2. SmolLM2 answers a question with greedy decoding through our kernels (`python -m
    ggml_kernels_integration generate --chat`), next to transformers alone and llama.cpp.
 3. Each model on each backend in a process of its own (`python -m ggml_kernels_integration bench`):
    prefill and decode tokens/s, peak memory, and which of our kernels ran (torch profiler).
 
-    python tools/demo.py [--threads N] [--prompt-tokens 64] [--decode-tokens 32]
+    python -m tools.bench.demo [--threads N] [--prompt-tokens 64] [--decode-tokens 32]
 
-Short on purpose (a few minutes on 2 cores); tools/bench_e2e.py is the full benchmark.
+Short on purpose (a few minutes on 2 cores); tools/bench/bench_e2e.py is the full benchmark.
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_e2e  # noqa: E402
-import make_gguf  # noqa: E402
-import models  # noqa: E402
+from tools.bench import bench_e2e
+from tools.models import make_gguf, smollm2
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 ANSWER_TOKENS = 24
 DEMO_MODELS = {
     "qwen35-0.8b": ("Qwen3.5-0.8B shapes, random weights, Q4_K_M", lambda: make_gguf.ensure("qwen35-0.8b", "Q4_K_M")),
-    "smollm2-135m": ("SmolLM2-135M-Instruct, real weights, Q4_1", models.smollm2_gguf),
+    "smollm2-135m": ("SmolLM2-135M-Instruct, real weights, Q4_1", smollm2.gguf_path),
 }
 DEMO_BACKENDS = ("transformers-f32", "kernels", "llama.cpp")
 BACKEND_LABELS = {"transformers-f32": "transformers f32", "transformers-bf16": "transformers bf16",
@@ -64,7 +61,7 @@ def llama_cpp_answer(path: Path, threads: int) -> str:
 
 
 def chat_section(threads: int) -> list[str]:
-    path = models.smollm2_gguf()
+    path = smollm2.gguf_path()
     _log("SmolLM2 chat: our kernels")
     ours, ours_summary = cli_generate(path, kernels_on=True, threads=threads)
     _log("SmolLM2 chat: transformers alone")
@@ -146,7 +143,7 @@ def main() -> None:
     print("\n".join(chat))
     print()
     print("\n".join(table))
-    print(f"\n(demo took {time.perf_counter() - start:.0f} s; full benchmark: tools/bench_e2e.py, nox -s bench-e2e)")
+    print(f"\n(demo took {time.perf_counter() - start:.0f} s; full benchmark: tools/bench/bench_e2e.py, nox -s bench-e2e)")
 
 
 if __name__ == "__main__":

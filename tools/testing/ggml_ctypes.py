@@ -6,7 +6,7 @@ ggml's C API. This module builds single-op ggml graphs with them -- `ggml_mul_ma
 llama.cpp's own build of the same ggml, and benchmarks can time ggml's op with nothing of ours in
 the way.
 
-    from tools import ggml_ctypes            # or: sys.path.insert(0, "tools"); import ggml_ctypes
+    from tools.testing import ggml_ctypes
     if ggml_ctypes.available():
         q = ggml_ctypes.quantize(w, 12)      # (rows, cols) float32 -> (rows, row_bytes) uint8, Q4_K
         mm = ggml_ctypes.MulMat(q, 12, cols=w.shape[1], m=8, n_threads=2)

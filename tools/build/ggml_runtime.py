@@ -10,20 +10,19 @@ itself and it can share a process with another ggml, such as llama-cpp-python's,
 clashes. libstdc++ is linked dynamically, like torch's own libraries (a static copy would drag in
 glibc symbols newer than manylinux_2_28 allows).
 
-    python tools/ggml_runtime.py      # builds (incrementally) and prints the runtime folder
+    python -m tools.build.ggml_runtime      # builds (incrementally) and prints the runtime folder
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ninja_build as ninja  # noqa: E402
-import upstream  # noqa: E402
+from tools import REPO
 
-REPO = upstream.REPO
+from . import ninja_build as ninja
+from . import upstream
+
 COMMON = REPO / "common"
 
 # name -> (compiler flags, ggml feature defines). Keep the names and the CPU features they need in

@@ -3,7 +3,7 @@
 Built from the same pinned sdist as our ggml sources (upstream.toml), for this CPU (ggml native),
 and kept in <cache>/wheels, so test sessions, benchmarks and CI runs install it in seconds.
 
-    python tools/llama_cpp_wheel.py     # prints the wheel's path (building it if needed, ~5 min)
+    python -m tools.build.llama_cpp_wheel     # prints the wheel's path (building it if needed, ~5 min)
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import upstream  # noqa: E402
+from . import upstream
 
 
 def wheel_path() -> Path:

@@ -1,9 +1,9 @@
 """ggml-gated-delta-net side by side with transformers' eager Qwen3.5 linear attention and the
 package's pure-PyTorch reference.
 
-    python tools/bench_gdn.py                 # full table (~1-2 min on 2 cores)
-    python tools/bench_gdn.py --quick         # a small subset (< 30 s)
-    python tools/bench_gdn.py --markdown --json bench.json
+    python -m tools.bench.bench_gdn                 # full table (~1-2 min on 2 cores)
+    python -m tools.bench.bench_gdn --quick         # a small subset (< 30 s)
+    python -m tools.bench.bench_gdn --markdown --json bench.json
 
 Shapes: Qwen3.5-0.8B's linear-attention block as far as it can be inferred here (no checkpoint is
 available offline): hidden 1024, 16 key heads x 128, 16 value heads x 128, conv kernel 4, batch 1.
@@ -38,13 +38,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tools import REPO
+
 PACKAGE = REPO / "packages" / "ggml-gated-delta-net"
-sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
-from benchutil import keep_freed_memory  # noqa: E402
+
+from tools.bench.benchutil import keep_freed_memory  # noqa: E402
 
 HIDDEN, HK, D, KERNEL = 1024, 16, 128, 4
 PREFILL = 512
@@ -54,7 +55,7 @@ def load_kernel():
     from kernels import get_local_kernel
 
     if not any((PACKAGE / "build").glob("torch*-cpu-*")):
-        sys.exit("ggml-gated-delta-net is not built: run `python tools/build.py ggml-gated-delta-net`")
+        sys.exit("ggml-gated-delta-net is not built: run `python -m tools.build ggml-gated-delta-net`")
     return get_local_kernel(PACKAGE, backend="cpu")
 
 
@@ -116,7 +117,7 @@ def layer_impls(k, hv: int, tokens: int, with_reference: bool):
     torch.manual_seed(0)
     tf = Qwen3_5GatedDeltaNet(config, layer_idx=0).eval()
     ours = copy.deepcopy(tf)
-    from kernel_testing import variant_dir
+    from tools.testing.kernel_testing import variant_dir
 
     repo = LocalLayerRepository(repo_path=variant_dir("ggml-gated-delta-net"), layer_name="Qwen3_5GatedDeltaNet")
     with use_kernel_mapping({"Qwen3_5GatedDeltaNet": {"cpu": repo}}):

@@ -1,9 +1,9 @@
 """topk's MoE routing side by side with transformers' eager router, the pure-PyTorch reference and
 the same routing as ggml graphs.
 
-    python tools/bench_topk.py                 # full table (~1-2 min on 2 cores)
-    python tools/bench_topk.py --quick         # fewer calls per cell (~20 s)
-    python tools/bench_topk.py --markdown --json bench.json
+    python -m tools.bench.bench_topk                 # full table (~1-2 min on 2 cores)
+    python -m tools.bench.bench_topk --quick         # fewer calls per cell (~20 s)
+    python -m tools.bench.bench_topk --markdown --json bench.json
 
 For each (tokens, experts, logits dtype), k = 8, renormalised (Qwen3.5-MoE routes so), it times:
 
@@ -36,14 +36,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tools import REPO
+
 PACKAGE = REPO / "packages" / "topk"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(REPO / "tools"))
-from benchutil import keep_freed_memory  # noqa: E402
+from tools.bench.benchutil import keep_freed_memory  # noqa: E402
 
 TOKENS = [1, 512]
 EXPERTS = [64, 128, 256]
@@ -59,7 +59,7 @@ def load_kernel():
     from kernels import get_local_kernel
 
     if not any((PACKAGE / "build").glob("torch*-cpu-*")):
-        sys.exit("topk is not built: run `python tools/build.py topk`")
+        sys.exit("topk is not built: run `python -m tools.build topk`")
     return get_local_kernel(PACKAGE, backend="cpu")
 
 
@@ -74,10 +74,13 @@ def eager_routing(router_logits: torch.Tensor, top_k: int):
 def router_modules(kernel, experts: int, dtype: torch.dtype):
     """transformers' Qwen3.5-MoE router (random weights) and a copy kernelized with our layer."""
     try:
-        from kernel_testing import variant_dir  # the CPU build for this torch, whatever torch's backend
         from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+
+        from tools.testing.kernel_testing import (
+            variant_dir,  # the CPU build for this torch, whatever torch's backend
+        )
     except ImportError:
         return None, None
     cfg = Qwen3_5MoeTextConfig(hidden_size=HIDDEN, num_experts=experts, num_experts_per_tok=K, num_hidden_layers=1)

@@ -33,9 +33,9 @@ def keep_freed_memory() -> None:
     A benchmark alternates implementations whose outputs and temporaries (MiBs at prefill sizes)
     differ, and that defeats glibc's adaptive mmap threshold: every call then gets fresh pages from
     the system. Measured (scratch A/B, not kept): transformers' eager RMSNorm at 512x2560 float32
-    3.4 ms in tools/bench_norm.py against 0.22 ms in a process of its own; an ours+eager pair 3402 us
+    3.4 ms in tools/bench/bench_norm.py against 0.22 ms in a process of its own; an ours+eager pair 3402 us
     by default, 652 us with these settings; transformers' unpacking matmul 1024x3584 Q4_K M=64 in
-    tools/bench_quantization.py 20.2 -> 7.3 ms. In a model the sizes repeat and glibc settles (~4 page
+    tools/bench/bench_quantization.py 20.2 -> 7.3 ms. In a model the sizes repeat and glibc settles (~4 page
     faults a decode step on SmolLM2, no change in tokens/s with these settings), so the tables
     measure kernels, not the allocator. No-op where the C library has no mallopt."""
     import ctypes

@@ -1,16 +1,16 @@
 """ggml-quantization's matrix products side by side with ggml's own op, transformers' CPU path and
 the memory roofline.
 
-    python tools/bench_quantization.py                 # full table (~5-10 min on 2 cores)
-    python tools/bench_quantization.py --quick         # a small subset (< 1 min)
-    python tools/bench_quantization.py --markdown --json bench.json
+    python -m tools.bench.bench_quantization                 # full table (~5-10 min on 2 cores)
+    python -m tools.bench.bench_quantization --quick         # a small subset (< 1 min)
+    python -m tools.bench.bench_quantization --markdown --json bench.json
 
 For each (weight shape N x K, ggml type, M activation rows) it times, on the same threads:
 
   ours      ggml-quantization: mul_mat_vec for M <= 8, mul_mat above (a one-op ggml graph on
             our persistent ggml threadpool)
   ggml      ggml's own GGML_OP_MUL_MAT, built and run through llama-cpp-python's libggml
-            (tools/ggml_ctypes.py): one-op graph planned once, only ggml_graph_compute timed
+            (tools/testing/ggml_ctypes.py): one-op graph planned once, only ggml_graph_compute timed
   tf f32 / tf bf16
             what transformers 5.x runs per forward on CPU when it has no kernel: it dequantizes
             the whole GGUF at load and keeps dense weights, so each token is a dense
@@ -41,16 +41,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tools import REPO
+
 PACKAGE = REPO / "packages" / "ggml-quantization"
-sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
-from benchutil import keep_freed_memory  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import ggml_ctypes  # noqa: E402
+from tools.bench.benchutil import keep_freed_memory  # noqa: E402
+from tools.testing import ggml_ctypes  # noqa: E402
 
 # Qwen3.5 linear shapes, (rows = out features N, cols = in features K)
 MATVEC_SHAPES = [(1024, 1024), (3584, 1024), (1024, 3584), (2560, 9216), (9216, 2560)]
@@ -89,7 +89,7 @@ class Cell:
 # ---- helpers ---------------------------------------------------------------------------------
 
 def load_kernel():
-    import kernel_testing
+    from tools.testing import kernel_testing
 
     kernel_testing.point_hub_ids_at_local_builds()
     return kernel_testing.load_kernel("ggml-org/ggml-quantization")

@@ -12,9 +12,9 @@ ratio is not taken from one pair of cells: after the table's cells, `kernels` an
 again in alternating fresh processes (`--decode-rounds`, 3 by default), and the target line reports
 the median of the per-round ratios.
 
-    python tools/bench_e2e.py                      # prefill 64 and 512 tokens, decode 128 tokens
-    python tools/bench_e2e.py --quick              # a smoke run: prefill 16 and 64, decode 16
-    python tools/bench_e2e.py --models smollm2-135m --backends kernels llama.cpp
+    python -m tools.bench.bench_e2e                      # prefill 64 and 512 tokens, decode 128 tokens
+    python -m tools.bench.bench_e2e --quick              # a smoke run: prefill 16 and 64, decode 16
+    python -m tools.bench.bench_e2e --models smollm2-135m --backends kernels llama.cpp
 """
 
 from __future__ import annotations
@@ -29,16 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools import REPO
+from tools.models import make_gguf, smollm2
 
-import make_gguf  # noqa: E402
-import models  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
 MODEL_FILES = {  # name in the table -> the function that returns (and makes, if missing) the file
     "qwen35-0.8b": lambda: make_gguf.ensure("qwen35-0.8b", "Q4_K_M"),
     "qwen35moe-1.6b-a0.5b": lambda: make_gguf.ensure("qwen35moe-1.6b-a0.5b", "Q4_K_M"),
-    "smollm2-135m": models.smollm2_gguf,
+    "smollm2-135m": smollm2.gguf_path,
 }
 BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "llama.cpp")
 BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf", "kernels": "#1f77b4",
@@ -277,7 +274,7 @@ def write_outputs(results: list[dict], settings: dict, threads: int, out: Path, 
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(results, settings, threads, meta.get("decode_rounds"))
     (out / "e2e.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    (out / "e2e.md").write_text(f"# End-to-end benchmark (tools/bench_e2e.py), {meta['date']}, {meta['cpu']}\n\n" + table)
+    (out / "e2e.md").write_text(f"# End-to-end benchmark (tools/bench/bench_e2e.py), {meta['date']}, {meta['cpu']}\n\n" + table)
     chart(results, settings, out / "e2e.png")
     print(table)
     _log(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}, {out / 'e2e.png'}")

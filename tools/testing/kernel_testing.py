@@ -4,10 +4,11 @@ with LOCAL_KERNELS pointing each Hub id at packages/<name> (kernels then looks i
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import tomllib
+
+from tools import REPO
 
 
 def hub_ids() -> dict[str, Path]:
@@ -40,7 +41,7 @@ def load_kernel(repo_id: str):
 
     path = hub_ids()[repo_id]
     if not any((path / "build").glob("torch*-cpu-*")):
-        raise RuntimeError(f"{repo_id} is not built: run `nox -s build` or `python tools/build.py {path.name}`")
+        raise RuntimeError(f"{repo_id} is not built: run `nox -s build` or `python -m tools.build {path.name}`")
     return kernels.get_kernel(repo_id, version=1, **backend_kwargs())
 
 
@@ -48,14 +49,12 @@ def variant_dir(package: str) -> Path:
     """packages/<package>/build/<variant> for the running torch: what LocalLayerRepository must be
     given. A package folder makes kernels pick the variant by torch's backend, which on a CUDA build
     of torch is a cu* variant we do not build (and kernelize's repositories take no backend)."""
-    import sys
 
-    sys.path.insert(0, str(REPO / "tools"))
-    from build import torch_variant
+    from tools.build.build import torch_variant
 
     path = REPO / "packages" / package / "build" / torch_variant()
     if not (path / "metadata.json").exists():
-        raise RuntimeError(f"{package} is not built for this torch: run `python tools/build.py {package}`")
+        raise RuntimeError(f"{package} is not built for this torch: run `python -m tools.build {package}`")
     return path
 
 
@@ -64,7 +63,7 @@ _LEVEL_FLAG = {"haswell": "avx2", "skylakex": "avx512bw", "zen4": "avx512_bf16"}
 
 
 def cpu_has_level(level: str) -> bool:
-    """Whether this CPU can run the ggml runtime built for `level` (tools/ggml_runtime.py)."""
+    """Whether this CPU can run the ggml runtime built for `level` (tools/build/ggml_runtime.py)."""
     if level == "x64":
         return True
     with open("/proc/cpuinfo") as f:
@@ -72,12 +71,12 @@ def cpu_has_level(level: str) -> bool:
 
 
 def fresh_process(code: str, env: dict | None = None):
-    """Runs Python `code` in a new interpreter with this environment (+ env, offline Hub), tools/ on
-    its path (so it can `from kernel_testing import load_kernel`)."""
+    """Runs Python `code` in a new interpreter with this environment (+ env, offline Hub), the
+    repository root on its path (so it can `from tools.testing.kernel_testing import load_kernel`)."""
     import subprocess
     import sys
 
-    path = os.pathsep.join(p for p in (str(REPO / "tools"), os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=path, **(env or {}))
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=600)
 

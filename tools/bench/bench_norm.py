@@ -1,10 +1,10 @@
 """ggml-norm's zero-centred RMS norm side by side with transformers' eager module and the
 pure-PyTorch reference, at Qwen3.5 hidden sizes, for decode (1 token) and prefill (512 tokens).
 
-    python tools/bench_norm.py                 # full table (~1 min on 2 cores)
-    python tools/bench_norm.py --quick         # fewer timings per cell (~15 s)
-    python tools/bench_norm.py --markdown --json bench.json
-    python tools/bench_norm.py --threads 1     # single-threaded: steadier on a busy machine
+    python -m tools.bench.bench_norm                 # full table (~1 min on 2 cores)
+    python -m tools.bench.bench_norm --quick         # fewer timings per cell (~15 s)
+    python -m tools.bench.bench_norm --markdown --json bench.json
+    python -m tools.bench.bench_norm --threads 1     # single-threaded: steadier on a busy machine
 
 For each (dtype, hidden, tokens) it times, on the same threads:
 
@@ -30,13 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tools import REPO
+
 PACKAGE = REPO / "packages" / "ggml-norm"
-sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernel is a local build; nothing to fetch
 
 import torch  # noqa: E402
-from benchutil import keep_freed_memory  # noqa: E402
+
+from tools.bench.benchutil import keep_freed_memory  # noqa: E402
 
 HIDDEN = [1024, 2560, 4096]
 TOKENS = [1, 512]
@@ -49,13 +50,16 @@ def load_kernel():
     from kernels import get_local_kernel
 
     if not any((PACKAGE / "build").glob("torch*-cpu-*")):
-        sys.exit("ggml-norm is not built: run `python tools/build.py ggml-norm`")
+        sys.exit("ggml-norm is not built: run `python -m tools.build ggml-norm`")
     return get_local_kernel(PACKAGE, backend="cpu")
 
 
 def kernelized(module):
-    from kernel_testing import variant_dir  # the CPU build for this torch, whatever torch's backend
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+    from tools.testing.kernel_testing import (
+        variant_dir,  # the CPU build for this torch, whatever torch's backend
+    )
 
     swapped = copy.deepcopy(module)
     repo = LocalLayerRepository(repo_path=variant_dir("ggml-norm"), layer_name="RMSNormZeroCentered")

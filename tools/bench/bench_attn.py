@@ -5,20 +5,16 @@ Qwen3.5's full-attention head layout (0.8B: 8 query / 2 KV heads; 4B: 16 / 4; he
 float32. Columns: ggml-attn; transformers' `sdpa` (torch SDPA with GQA), its `eager` path
 (repeat_kv + matmul + softmax), and the pure-PyTorch reference (float32 compute).
 
-    python tools/bench_attn.py [--quick] [--markdown]
+    python -m tools.bench.bench_attn [--quick] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import kernel_testing  # noqa: E402
-from benchutil import fmt_time, keep_freed_memory, median_time  # noqa: E402
+from tools.bench.benchutil import fmt_time, keep_freed_memory, median_time
+from tools.testing import kernel_testing
 
 LAYOUTS = {"0.8B": (8, 2, 256), "4B": (16, 4, 256)}
 

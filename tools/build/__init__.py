@@ -1,0 +1,1 @@
+"""The builder: `python -m tools.build [package ...]` builds packages/<name>/build/<variant>/."""
