@@ -19,6 +19,7 @@ namespace ggml_kernels {
 
 // Every ggml function a package may call. The member types come from ggml's own headers
 // (decltype), so a signature can never drift from the pinned ggml.
+// clang-format off
 #define GGML_KERNELS_API_FUNCTIONS(X)                                                              \
   X(ggml_init) X(ggml_free) X(ggml_tensor_overhead) X(ggml_graph_overhead_custom)                  \
   X(ggml_new_tensor) X(ggml_new_tensor_1d) X(ggml_new_tensor_2d) X(ggml_new_tensor_3d)             \
@@ -40,6 +41,7 @@ namespace ggml_kernels {
   X(ggml_set_rows) X(ggml_pad) X(ggml_dup) X(ggml_cont_2d) X(ggml_cont_3d) X(ggml_cont_4d)          \
   X(ggml_view_tensor) X(ggml_arange) X(ggml_fill) X(ggml_get_first_tensor) X(ggml_get_next_tensor) \
   X(ggml_flash_attn_ext_add_sinks)
+// clang-format on
 
 struct GgmlApi {
 #define GGML_KERNELS_MEMBER(name) decltype(&::name) name = nullptr;
