@@ -1,7 +1,8 @@
 """Bad GGUF files get one clear error naming the problem, before anything is built or loaded.
 
-Each bad file is the tiny Qwen3.5 file with a few bytes changed (or cut short), so everything else
-about it is valid. `check_gguf` is tested directly; then, in a fresh process with `enable()`,
+Each bad file is the tiny Qwen3.5 file with a few bytes changed, inserted or cut, so everything
+else about it is valid (tests/test_gguf_validation.py covers the metadata and tensor rules on files
+written from a spec). `check_gguf` is tested directly; then, in a fresh process with `enable()`,
 transformers' own `from_pretrained` / `AutoTokenizer` on the same files must raise the same
 `GgufFileError` without having built a model, and leave no file descriptor open on the file.
 """
@@ -13,8 +14,9 @@ import struct
 from pathlib import Path
 
 import ggml_kernels_integration as gk
-from tools.models import make_gguf
 import pytest
+
+from tools.models import make_gguf
 from tools.testing.kernel_testing import fresh_process
 
 
@@ -25,17 +27,50 @@ def _patch(data: bytearray, old: bytes, new: bytes) -> bytearray:
     return data
 
 
-def _retype(data: bytearray, tensor: str, type_id: int) -> bytearray:
-    """Set a tensor's ggml type id in the tensor table (the bytes after its name and dims)."""
-    name = tensor.encode()
-    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+def _type_field(data: bytearray, tensor: str) -> int:
+    """Where a tensor's ggml type id is in the tensor table (after its name and dims); its data
+    offset (uint64) follows."""
+    at = data.index(_string(tensor)) + 8 + len(tensor)
     n_dims = struct.unpack_from("<I", data, at)[0]
-    struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_id)
+    return at + 4 + 8 * n_dims
+
+
+def _retype(data: bytearray, tensor: str, type_id: int) -> bytearray:
+    struct.pack_into("<I", data, _type_field(data, tensor), type_id)
+    return data
+
+
+def _move(data: bytearray, tensor: str, offset) -> bytearray:
+    """Set a tensor's data offset; `offset(offset_of)` may use other tensors' offsets."""
+    offset_of = lambda name: struct.unpack_from("<Q", data, _type_field(data, name) + 4)[0]  # noqa: E731
+    struct.pack_into("<Q", data, _type_field(data, tensor) + 4, offset(offset_of))
     return data
 
 
 def _string(s: str) -> bytes:
     return struct.pack("<Q", len(s)) + s.encode()
+
+
+def _set_key(data: bytearray, key: str, fmt: str, value, new_key: str | None = None) -> bytearray:
+    """Overwrite a scalar metadata value (struct format `fmt`), and its key with one as long."""
+    at = data.index(_string(key)) + 8 + len(key) + 4
+    struct.pack_into(fmt, data, at, value)
+    return _patch(data, _string(key), _string(new_key)) if new_key else data
+
+
+def _insert_keys(data: bytearray, entries: bytes, count: int) -> bytearray:
+    """Put `count` metadata entries (key, type, value) first, with a filler entry that makes the
+    insertion a multiple of the 32-byte alignment, so that the tensor data stays where it was."""
+    filler_key = "general.filler" + "_" * (-(len(entries) + 27) % 32)
+    entries += _string(filler_key) + struct.pack("<IB", 0, 0)  # a uint8
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    struct.pack_into("<Q", data, 16, n_kv + count + 1)
+    return data[:24] + entries + data[24:]
+
+
+# an array of arrays ... of an empty uint32 array, 2000 deep
+DEEP_ARRAY = _string("general.nested") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 1999 + struct.pack("<IQ", 4, 0)
+EMPTY_VOCABULARY = _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 0)
 
 
 BAD_FILES = {
@@ -61,6 +96,42 @@ BAD_FILES = {
         lambda d: _retype(d, "token_embd.weight", 7),  # Q8_0 (34 B / 32) -> Q5_1 (24 B / 32)
         "'token_embd.weight' is Q5_1, a ggml type transformers' GGUF reader cannot read",
     ),
+    "tensor-past-the-end": (lambda d: _move(d, "output_norm.weight", lambda offset_of: 1 << 40),
+                            "truncated GGUF file: tensor 'output_norm.weight' ends at byte"),
+    "overlapping-tensors": (
+        lambda d: _move(d, "blk.0.attn_norm.weight", lambda offset_of: offset_of("token_embd.weight")),
+        "corrupt tensor table: the data of tensors 'blk.0.attn_norm.weight' and 'token_embd.weight' overlap",
+    ),
+    "misaligned-tensor": (
+        lambda d: _move(d, "blk.0.attn_norm.weight", lambda offset_of: offset_of("blk.0.attn_norm.weight") + 4),
+        "the data of tensor 'blk.0.attn_norm.weight' starts at offset",
+    ),
+    "tensor-listed-twice": (lambda d: _patch(d, _string("blk.3.attn_k.weight"), _string("blk.3.attn_v.weight")),
+                            "tensor 'blk.3.attn_v.weight' is listed twice"),
+    "key-twice": (
+        lambda d: _patch(d, _string("qwen35.attention.key_length"), _string("qwen35.attention.head_count")),
+        "metadata key 'qwen35.attention.head_count' appears twice",
+    ),
+    "nested-2000-deep": (lambda d: _insert_keys(d, DEEP_ARRAY, 1), "metadata 'general.nested' nests arrays more than"),
+    # the adversarial probe's findings: each of these built a model (or failed inside transformers)
+    "alignment-0": (lambda d: _set_key(d, "general.file_type", "<I", 0, new_key="general.alignment"),
+                    "general.alignment is 0; it must be a power of two"),
+    "block-count-2**31": (lambda d: _set_key(d, "qwen35.block_count", "<I", 2**31),
+                          "qwen35.block_count is 2,147,483,648, but the file has tensors for blk.0 to blk.3"),
+    "head-count-0": (lambda d: _set_key(d, "qwen35.attention.head_count", "<I", 0),
+                     "qwen35.attention.head_count is 0; it must be a positive integer"),
+    "empty-vocabulary": (
+        lambda d: _insert_keys(_patch(d, _string("tokenizer.ggml.tokens"), _string("tokenizer.ggml.tokenz")),
+                               EMPTY_VOCABULARY, 1),
+        "tokenizer.ggml.tokens is empty",
+    ),
+    "bos-id-2**32-1": (lambda d: _set_key(d, "tokenizer.ggml.bos_token_id", "<I", 2**32 - 1),
+                       "tokenizer.ggml.bos_token_id is 4294967295, not a token of the 2,048-token vocabulary"),
+    "no-tensors": (lambda d: d[:8] + struct.pack("<Q", 0) + d[16:], "the file has no tensors"),
+    "renamed-tensor": (lambda d: _patch(d, _string("blk.1.ffn_up.weight"), _string("blk.1.ffn_UP.weight")),
+                       "the file has no tensor 'blk.1.ffn_up.weight', which a qwen35 model needs"),
+    "rope-freq-base-nan": (lambda d: _set_key(d, "qwen35.rope.freq_base", "<f", float("nan")),
+                           "qwen35.rope.freq_base is nan; it must be a finite positive number"),
 }
 
 

@@ -245,7 +245,7 @@ def _tensor_extents(path: Path, tensors: dict, offsets: dict, alignment: int) ->
         if type_id not in GGML_QUANT_SIZES:
             raise GgufFileError(
                 f"{path}: tensor {name!r} has ggml type id {type_id}, which is not a ggml type "
-                f"(known ids: {sorted(GGML_QUANT_SIZES)})"
+                f"(known ids: {sorted(int(t) for t in GGML_QUANT_SIZES)})"
             )
         block_elements, block_bytes = GGML_QUANT_SIZES[type_id]
         if shape and shape[0] % block_elements:
