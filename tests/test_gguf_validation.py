@@ -73,8 +73,17 @@ def llama_spec(tied: bool = True) -> tuple[dict, dict]:
     return metadata, tensors
 
 
+def legacy_spec() -> tuple[dict, dict]:
+    """The llama file as a qwen3 one: an architecture transformers' legacy loader reads, with no
+    table here, so only the checks every architecture gets apply."""
+    metadata, tensors = llama_spec()
+    metadata = {key.replace("llama.", "qwen3."): value for key, value in metadata.items()}
+    metadata["general.architecture"] = GGUFValue("qwen3", T.STRING)
+    return metadata, tensors
+
+
 SPECS = {"qwen35": lambda: qwen35_spec(QWEN35), "qwen35moe": lambda: qwen35_spec(QWEN35MOE), "llama": llama_spec,
-         "llama-untied": lambda: llama_spec(tied=False)}
+         "llama-untied": lambda: llama_spec(tied=False), "qwen3": legacy_spec}
 
 
 def write(path, metadata: dict, tensors: dict) -> None:
@@ -119,6 +128,8 @@ BAD = {
     # the file's layout
     "alignment-0": ("qwen35", set_key("general.alignment", 0), "general.alignment is 0; it must be a power of two"),
     "alignment-48": ("qwen35", set_key("general.alignment", 48), "general.alignment is 48; it must be a power of two"),
+    "zero-dimension": ("llama", lambda metadata, tensors: tensors.update({"output_norm.weight": (0,)}),
+                       "corrupt tensor table: 'output_norm.weight' has shape [0]"),
     "nested-array": ("qwen35", set_key("general.nested", [[1, 2], [3]], T.ARRAY),
                      "metadata 'general.nested' is an array of arrays, which transformers' GGUF reader cannot read"),
     # sizes the tensors pin down
@@ -126,6 +137,10 @@ BAD = {
                           "qwen35.block_count is 2,147,483,648, but the file has tensors for blk.0 to blk.3"),
     "block-count-short": ("llama", set_key("llama.block_count", 1),
                           "llama.block_count is 1, but the file has tensors for blk.0 to blk.1"),
+    "legacy-block-count": ("qwen3", set_key("qwen3.block_count", 3),
+                           "qwen3.block_count is 3, but the file has tensors for blk.0 to blk.1"),
+    "legacy-head-count-0": ("qwen3", set_key("qwen3.attention.head_count", 0),
+                            "qwen3.attention.head_count is 0; it must be a positive integer"),
     "block-count-string": ("qwen35", set_key("qwen35.block_count", "4", T.STRING),
                            "qwen35.block_count is '4'; it must be a positive integer"),
     "embedding-length": ("qwen35", set_key("qwen35.embedding_length", 48),
@@ -173,6 +188,8 @@ BAD = {
                        "tokenizer.ggml.bos_token_id is 4294967295, not a token of the 320-token vocabulary"),
     "eos-id-vocab": ("llama", set_key("tokenizer.ggml.eos_token_id", 64),
                      "tokenizer.ggml.eos_token_id is 64, not a token of the 64-token vocabulary"),
+    "legacy-unk-id": ("qwen3", set_key("tokenizer.ggml.unknown_token_id", 64),
+                      "tokenizer.ggml.unknown_token_id is 64, not a token of the 64-token vocabulary"),
     "pad-id-negative": ("qwen35", set_key("tokenizer.ggml.padding_token_id", -1, T.INT32),
                         "tokenizer.ggml.padding_token_id is -1, not a token of the 320-token vocabulary"),
     # numbers that must be finite and positive
@@ -184,6 +201,8 @@ BAD = {
                          "qwen35moe.rope.freq_base is 0.0; it must be a finite positive number"),
     "rope-freq-base-negative": ("llama", set_key("llama.rope.freq_base", -1e4, T.FLOAT32),
                                 "llama.rope.freq_base is -10000.0; it must be a finite positive number"),
+    "legacy-rope-freq-base-nan": ("qwen3", set_key("qwen3.rope.freq_base", math.nan, T.FLOAT32),
+                                  "qwen3.rope.freq_base is nan; it must be a finite positive number"),
     "rms-epsilon-0": ("qwen35", set_key("qwen35.attention.layer_norm_rms_epsilon", 0.0, T.FLOAT32),
                       "qwen35.attention.layer_norm_rms_epsilon is 0.0; it must be a finite positive number"),
     # keys a config needs

@@ -168,7 +168,7 @@ def _supported_architectures() -> tuple[set[str], set[str]]:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int  # not a bool, nor the length of an array (`ArrayLength`)
 
 
 def _alignment(metadata: dict, path: Path) -> int:
@@ -497,13 +497,23 @@ def _check_blocks(summary: GgufSummary) -> None:
     key = f"{summary.architecture}.block_count"
     present = sorted({int(m.group(1)) for name in summary.tensors if (m := _BLOCK.match(name))})
     count = summary.metadata.get(key)
-    if _is_int(count) and (count != len(present) or present != list(range(len(present)))):
-        has = f"blk.0 to blk.{present[-1]}" if present == list(range(len(present))) else f"blocks {present}"
+    contiguous = present == list(range(len(present)))
+    if _is_int(count) and not (contiguous and count == len(present)):
+        has = f"blk.0 to blk.{present[-1]}" if contiguous else f"blocks {present}"
         summary.fail(f"{key} is {count:,}, but the file has tensors for {has if present else 'no blocks'}")
 
 
 def _check_model(summary: GgufSummary, rules: ArchRules, tokens: int) -> None:
     """The hyperparameters `rules` read, their relations, and the tensors of the model they make."""
+    p, sources = _read_params(summary, rules, tokens)
+    for statement, holds in rules.relations:
+        if not holds(p):
+            summary.fail(f"{summary.architecture} hyperparameters disagree: {statement.format(**sources)}")
+    _check_tensors(summary, rules, p, sources)
+
+
+def _read_params(summary: GgufSummary, rules: ArchRules, tokens: int) -> tuple[SimpleNamespace, dict[str, str]]:
+    """(the hyperparameters by name, where each came from, for messages)."""
     arch = summary.architecture
     p = SimpleNamespace(tokens=tokens, vocab=tokens)
     sources = {"tokens": f"the tokenizer's {tokens:,} tokens", "vocab": f"the tokenizer's {tokens:,} tokens"}
@@ -517,10 +527,11 @@ def _check_model(summary: GgufSummary, rules: ArchRules, tokens: int) -> None:
         else:
             setattr(p, name, param.default(p))
             sources[name] = f"{key} (not given: {getattr(p, name)})"
-    for statement, holds in rules.relations:
-        if not holds(p):
-            summary.fail(f"{arch} hyperparameters disagree: {statement.format(**sources)}")
+    return p, sources
 
+
+def _check_tensors(summary: GgufSummary, rules: ArchRules, p: SimpleNamespace, sources: dict[str, str]) -> None:
+    """Every tensor the model needs is there, of the shape the hyperparameters make it."""
     expected = {name: shape for group in rules.model_groups for name, shape in TENSORS[group].items()}
     for i in range(p.blocks - getattr(p, "mtp", 0)):
         for group in rules.block_groups(p, i):
@@ -531,7 +542,7 @@ def _check_model(summary: GgufSummary, rules: ArchRules, tokens: int) -> None:
                 continue
             unknown = sorted(set(summary.tensors) - set(expected))
             hint = f" (tensors it does not use: {', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})" if unknown else ""
-            summary.fail(f"the file has no tensor {name!r}, which a {arch} model needs{hint}")
+            summary.fail(f"the file has no tensor {name!r}, which a {summary.architecture} model needs{hint}")
         want, have = _squeeze(shape_of(p)), _squeeze(summary.tensors[name][1])
         if want != have:
             used = [sources[n] for n in shape_of.__code__.co_names if n in sources]
