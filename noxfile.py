@@ -130,11 +130,28 @@ def bench_e2e(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Per-kernel benchmark tables: ours vs ggml's own op vs transformers vs the memory roofline."""
+    """Every package's benchmarks/ under kernels' own runner (`kernels benchmark <package folder>`): ours
+    against ggml's own op, transformers and the reference, checked against the reference as they run.
+    Writes bench-results/<package>.json (the runner's) and .md (tools/bench/kernels_table.py).
+    -- --quick: fewer workloads and calls; -- <package> ...: only those packages."""
     _install(session, TORCH[0], *TEST_DEPS)
     _install_llama_cpp(session)
     _build(session)
-    for script in sorted((REPO / "tools" / "bench").glob("bench_*.py")):  # one table per package
-        if script.name == "bench_e2e.py":  # whole models, not one package: its own session, bench-e2e
-            continue
-        session.run("python", "-m", f"tools.bench.{script.stem}", *session.posargs, env=_env(session))
+    quick = "--quick" in session.posargs
+    wanted = [a for a in session.posargs if a != "--quick"]
+    packages = [p.parent.name for p in sorted((REPO / "packages").glob("*/benchmarks"))]
+    out = REPO / "bench-results"
+    out.mkdir(exist_ok=True)
+    # PYTHONPATH: the scripts find the llama.cpp ggml oracle for their ggml columns in tools/testing
+    env = {**_env(session), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    calls = ["--iterations", "5", "--warmup", "2"] if quick else []
+    if quick:
+        env["GGML_KERNELS_BENCH_QUICK"] = "1"
+    for package in wanted or packages:
+        result = out / f"{package}.json"
+        command = ["kernels", "benchmark", f"./packages/{package}", *calls]
+        session.run(*command, "--output", str(result), env=env)
+        table = session.run("python", "-m", "tools.bench.kernels_table", str(result), "--command", " ".join(command),
+                            silent=True, env=env)
+        (out / f"{package}.md").write_text(table)
+        print(table)

@@ -3,7 +3,7 @@ modules (`python -m tools.build ggml-attn`); pytest finds them through pyproject
 
     build/    the builder: ggml's pinned sources, its CPU runtime, the packages' variant folders
     testing/  what tests share: loading our builds as users do, the llama.cpp ggml oracle (ctypes)
-    bench/    whole-model benchmarks, A/B runs, the demo, timing helpers
+    bench/    whole-model benchmarks, A/B runs, the demo, tables of the packages' benchmarks
     models/   GGUF model files for tests and benchmarks: generated (make_gguf) and downloaded
 """
 

@@ -22,9 +22,8 @@ import os
 import shutil
 import sys
 import sysconfig
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from tools import REPO
 

@@ -77,6 +77,6 @@ def run(build_dir: Path, jobs: int | None = None, quiet: bool = False) -> None:
         sys.stderr.write(out)
         raise RuntimeError(f"build failed in {build_dir}")
     if not quiet:
-        last = [l for l in out.splitlines() if l.strip()]
+        last = [row for row in out.splitlines() if row.strip()]
         if last and "no work to do" not in last[-1]:
             sys.stderr.write(f"[ninja] {build_dir.name}: {len(last)} steps\n")

@@ -16,10 +16,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 import urllib.request
 from pathlib import Path
-
-import tomllib
 
 from tools import REPO
 

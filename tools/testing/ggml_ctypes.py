@@ -69,7 +69,7 @@ class _ThreadpoolParams(ctypes.Structure):  # struct ggml_threadpool_params
 # ---- loading ---------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_lib: "_Ggml | None" = None
+_lib: _Ggml | None = None
 _error: str | None = None
 
 
@@ -98,7 +98,7 @@ class _Ggml:
         self.base = ctypes.CDLL(str(folder / f"libggml-base{ext}"), mode=mode)
         self.cpu = ctypes.CDLL(str(folder / f"libggml-cpu{ext}"), mode=mode)
         self.path = folder
-        P, S, I64, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int
+        P, S, I64, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int  # noqa: E741  (ctypes signatures read as C)
         T = ctypes.c_int  # enum ggml_type
         sig = {
             # ggml-base
@@ -138,7 +138,7 @@ class _Ggml:
         self.ggml_cpu_init()
 
 
-def _load() -> "_Ggml | None":
+def _load() -> _Ggml | None:
     global _lib, _error
     with _lock:
         if _lib is not None or _error is not None:

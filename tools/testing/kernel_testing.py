@@ -4,9 +4,8 @@ with LOCAL_KERNELS pointing each Hub id at packages/<name> (kernels then looks i
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from tools import REPO
 
@@ -107,5 +106,5 @@ def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | 
         env["GGML_KERNELS_CPU_VARIANT"] = level
     proc = fresh_process(code, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(row for row in proc.stdout.splitlines() if row.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])

@@ -1,44 +1,96 @@
-"""Flash attention at Qwen3.5's full-attention head layout: decode against 512 / 4096 / 16384 cached
-keys and a 512-token causal prefill (8 query heads, 2 KV heads, head dim 256; float32).
+"""Flash attention at Qwen3.5's full-attention head layouts: decode against 512 / 4096 / 16384 cached
+keys and a 512-token causal prefill (float32, batch 1).
 
-    kernels benchmark ./packages/ggml-attn
+    kernels benchmark ./packages/ggml-attn                  # a local build
+    kernels benchmark ggml-org/ggml-attn@v1                 # the published one
 
-verify_* is torch's SDPA (GQA, bottom-right causal mask): the kernel matches it to ~1e-6 of the
-output scale.
+Workloads are named <layout>_<decode_kv<keys>|prefill_512>, layouts 0.8B (8 query heads, 2 KV heads,
+head dim 256) and 4B (16 / 4 / 256). Each class times one implementation of the same workloads:
+  FlashAttn              ggml_attn.flash_attn_forward: transformers' attention-function interface
+                         (what a kernelized model calls), on ggml's flash attention
+  FlashAttn_sdpa         transformers' sdpa_attention_forward (torch's scaled_dot_product_attention)
+  FlashAttn_eager        transformers' eager_attention_forward (Llama's), with an additive causal mask
+  FlashAttn_reference    ggml_attn.reference.flash_attn (the package's pure-PyTorch reference)
+verify_* is torch's SDPA (GQA, bottom-right causal mask): every implementation matches it to ~1e-6
+of the output scale. GGML_KERNELS_BENCH_QUICK=1 runs the 0.8B layout's 512-key decode and the
+prefill (for tests).
 """
 
-import torch
+import os
 
+import torch
 from kernels.benchmark import Benchmark
 
-HQ, HKV, D = 8, 2, 256
+QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
+LAYOUTS = {"0.8B": (8, 2, 256)} if QUICK else {"0.8B": (8, 2, 256), "4B": (16, 4, 256)}
+CASES = {"prefill_512": (512, 512)}  # name -> (queries, keys)
+CASES.update({f"decode_kv{n}": (1, n) for n in ([512] if QUICK else [512, 4096, 16384])})
+
+
+class _Layer(torch.nn.Module):
+    """What transformers' attention functions read off the attention layer."""
+
+    def __init__(self, hq: int, hkv: int):
+        super().__init__()
+        self.num_key_value_groups = hq // hkv
+        self.is_causal = True
+        self.training = False
+
+
+def _add(cls, name: str, *params) -> None:
+    """Workload `name` of cls and its subclasses: prepare(*params), then run() timed, reference() checked."""
+    setattr(cls, f"setup_{name}", lambda self: self.prepare(*params))
+    setattr(cls, f"benchmark_{name}", lambda self: self.run())
+    setattr(cls, f"verify_{name}", lambda self: self.reference())
 
 
 class FlashAttn(Benchmark):
+    """Outputs as the attention functions return them: (B, Sq, Hq, D)."""
+
     seed = 0
 
-    def _setup(self, sq: int, skv: int) -> None:
+    def prepare(self, hq: int, hkv: int, d: int, sq: int, skv: int) -> None:
         gen = torch.Generator().manual_seed(sq * 31 + skv)
-        self.q = torch.randn(1, HQ, sq, D, generator=gen)
-        self.k = torch.randn(1, HKV, skv, D, generator=gen)
-        self.v = torch.randn(1, HKV, skv, D, generator=gen)
-        self.out = torch.empty(1, HQ, sq, D)
-
-    def _run(self) -> None:
-        self.out = self.kernel.flash_attn(self.q, self.k, self.v, causal=True)
-
-    def _verify(self) -> torch.Tensor:
-        sq, skv = self.q.shape[2], self.k.shape[2]
+        self.q = torch.randn(1, hq, sq, d, generator=gen)
+        self.k = torch.randn(1, hkv, skv, d, generator=gen)
+        self.v = torch.randn(1, hkv, skv, d, generator=gen)
+        self.layer, self.scale = _Layer(hq, hkv), d**-0.5
         visible = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
-        return torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=visible, enable_gqa=True)
+        self.visible = visible
+        self.additive_mask = torch.zeros(1, 1, sq, skv).masked_fill(~visible, float("-inf"))
+
+    def run(self) -> None:
+        self.out = self.kernel.flash_attn_forward(self.layer, self.q, self.k, self.v, None, scaling=self.scale)[0]
+
+    def reference(self) -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.visible,
+                                                               scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2)
 
 
-def _add(name: str, sq: int, skv: int) -> None:
-    setattr(FlashAttn, f"setup_{name}", lambda self: self._setup(sq, skv))
-    setattr(FlashAttn, f"benchmark_{name}", lambda self: self._run())
-    setattr(FlashAttn, f"verify_{name}", lambda self: self._verify())
+class FlashAttn_sdpa(FlashAttn):
+    def run(self) -> None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        sq = self.q.shape[2]
+        self.out = sdpa_attention_forward(self.layer, self.q, self.k, self.v, None, scaling=self.scale,
+                                          is_causal=sq > 1)[0]
 
 
-for _skv in (512, 4096, 16384):
-    _add(f"decode_kv{_skv}", 1, _skv)
-_add("prefill_512", 512, 512)
+class FlashAttn_eager(FlashAttn):
+    def run(self) -> None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        mask = self.additive_mask if self.q.shape[2] > 1 else None
+        self.out = eager_attention_forward(self.layer, self.q, self.k, self.v, mask, scaling=self.scale)[0]
+
+
+class FlashAttn_reference(FlashAttn):
+    def run(self) -> None:
+        out = self.kernel.reference.flash_attn(self.q, self.k, self.v, causal=True, compute_dtype=torch.float32)
+        self.out = out.transpose(1, 2)
+
+
+for _layout, (_hq, _hkv, _d) in LAYOUTS.items():
+    for _case, (_sq, _skv) in CASES.items():
+        _add(FlashAttn, f"{_layout}_{_case}", _hq, _hkv, _d, _sq, _skv)

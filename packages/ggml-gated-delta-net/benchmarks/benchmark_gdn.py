@@ -5,17 +5,34 @@ decode (T = 1, on a state) and a 512-token prefill.
     kernels benchmark ./packages/ggml-gated-delta-net          # a local build
     kernels benchmark ggml-org/ggml-gated-delta-net@v1         # the published one
 
-Workloads are named <op>_<decode|prefill512>_hv<Hv>. The reference (verify_*) is the package's own
-per-token loop (reference.py) in float32; the kernel matches it to ~1e-6 of the output scale, far
-inside the runner's atol of 1e-2. The reference's time is that loop's (vectorised over heads).
+Workloads are named <op>_<decode|prefill512>_hv<Hv>. Each class times one implementation:
+  GatedDeltaNet, CausalConv1d     this package's ops
+  GatedDeltaNet_transformers      transformers' torch fallbacks for the same rule, q/k repeated to the
+                                  value heads as the layer does: torch_recurrent_gated_delta_rule for
+                                  decode, the chunked torch_chunk_gated_delta_rule for prefill
+  Layer                           the whole Qwen3_5GatedDeltaNet forward (hidden 1024, float32 nn.Linear
+                                  projections) kernelized onto this package's layer: decode 1 token on
+                                  a cache holding a 32-token prompt, prefill 512 tokens from an empty one
+  Layer_transformers              the same module as transformers ships it (its torch fallbacks)
+The ops' reference (verify_*) is the package's own per-token loop (reference.py) in float32; the
+kernel matches it to ~1e-6 of the output scale, far inside the runner's atol of 1e-2, and its time
+is that loop's (vectorised over heads). The layers are not checked here (their caches change with
+every call; tests/test_layer.py compares them). GGML_KERNELS_BENCH_QUICK=1 runs 16 value heads only
+(for tests).
 """
+
+import copy
+import os
+from pathlib import Path
 
 import torch
 from kernels.benchmark import Benchmark
 
-HK, D, KERNEL = 16, 128, 4
-VALUE_HEADS = [16, 32]
+QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
+HIDDEN, HK, D, KERNEL = 1024, 16, 128, 4
+VALUE_HEADS = [16] if QUICK else [16, 32]
 TOKENS = {"decode": 1, "prefill512": 512}
+PROMPT = 32  # tokens already in the cache of a layer decode
 
 
 class GatedDeltaNet(Benchmark):
@@ -63,25 +80,77 @@ class CausalConv1d(Benchmark):
         return out
 
 
-def _add(cls, op: str, phase: str, hv: int) -> None:
+
+
+class GatedDeltaNet_transformers(GatedDeltaNet):
+    def _run(self) -> None:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+        rule = hf.torch_recurrent_gated_delta_rule if self.q.shape[1] == 1 else hf.torch_chunk_gated_delta_rule
+        repeat = self.v.shape[2] // HK
+        q, k = self.q.repeat_interleave(repeat, 2), self.k.repeat_interleave(repeat, 2)
+        self.out, _ = rule(q, k, self.v, g=self.g, beta=self.beta, initial_state=self.state, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+
+
+class Layer_transformers(Benchmark):
+    """Qwen3_5GatedDeltaNet.forward(x, cache_params=cache), random weights (seed 0)."""
+
+    seed = 0
+
+    def _setup(self, tokens: int, hv: int) -> None:
+        from transformers import DynamicCache
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        self.config = Qwen3_5TextConfig(
+            hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"], linear_num_key_heads=HK,
+            linear_num_value_heads=hv, linear_key_head_dim=D, linear_value_head_dim=D,
+            linear_conv_kernel_dim=KERNEL, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+            intermediate_size=3584, vocab_size=1024,
+        )
+        torch.manual_seed(0)
+        self.module = self._prepared(Qwen3_5GatedDeltaNet(self.config, layer_idx=0).eval().requires_grad_(False))
+        gen = torch.Generator().manual_seed(tokens * 100 + hv)
+        self.x = torch.randn(1, tokens, HIDDEN, generator=gen)
+        self.cache = None
+        if tokens == 1:  # decode: on a cache that holds a prompt
+            self.cache = DynamicCache(config=self.config)
+            self.module(torch.randn(1, PROMPT, HIDDEN, generator=gen), cache_params=self.cache)
+
+    def _prepared(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def _run(self) -> None:
+        from transformers import DynamicCache
+
+        cache = self.cache if self.cache is not None else DynamicCache(config=self.config)  # prefill: a new one
+        self.out = self.module(self.x, cache_params=cache)
+
+
+class Layer(Layer_transformers):
+    def _prepared(self, module: torch.nn.Module) -> torch.nn.Module:
+        from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+        repo = LocalLayerRepository(repo_path=Path(self.kernel.__file__).parent, layer_name="Qwen3_5GatedDeltaNet")
+        module = copy.deepcopy(module)
+        with use_kernel_mapping({"Qwen3_5GatedDeltaNet": {"cpu": repo}}, inherit_mapping=False):
+            kernelize(module, device="cpu", mode=Mode.INFERENCE)
+        return module
+
+
+def _add(cls, op: str, phase: str, hv: int, checked: bool = True) -> None:
+    """Workload <op>_<phase>_hv<hv> of cls and its subclasses: _setup, then _run timed, _verify checked."""
     name = f"{op}_{phase}_hv{hv}"
     tokens = TOKENS[phase]
-
-    def setup(self):
-        self._setup(tokens, hv)
-
-    def bench(self):
-        self._run()
-
-    def verify(self):
-        return self._verify()
-
-    setattr(cls, f"setup_{name}", setup)
-    setattr(cls, f"benchmark_{name}", bench)
-    setattr(cls, f"verify_{name}", verify)
+    setattr(cls, f"setup_{name}", lambda self: self._setup(tokens, hv))
+    setattr(cls, f"benchmark_{name}", lambda self: self._run())
+    if checked:
+        setattr(cls, f"verify_{name}", lambda self: self._verify())
 
 
 for _hv in VALUE_HEADS:
     for _phase in TOKENS:
         _add(GatedDeltaNet, "gdn", _phase, _hv)
         _add(CausalConv1d, "conv", _phase, _hv)
+        _add(Layer_transformers, "layer", _phase, _hv, checked=False)

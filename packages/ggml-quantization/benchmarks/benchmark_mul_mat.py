@@ -1,24 +1,77 @@
-"""Packed GGUF matrix products at Qwen3.5 linear shapes: decode (M = 1, 8) and prefill (M = 64, 512).
+"""Packed GGUF matrix products at Qwen3.5 linear shapes: decode (M = 1, 8) and prefill (M = 64, 512),
+against ggml's own op and transformers' CPU paths.
 
     kernels benchmark ./packages/ggml-quantization          # a local build
     kernels benchmark ggml-org/ggml-quantization@v1         # the published one
 
-Workloads are named <type>_<N>x<K>_m<M> for a weight of N output rows and K input columns. The
-reference (verify_*) is a dense float32 matmul against the dequantized weight, with the activations
-rounded the way ggml's CPU dot products round them (to Q8_0 or Q8_K blocks, see `_round_like_ggml`):
-the kernel matches it to ~1e-5 of the output scale (~1e-3 in the rare row where an activation sits
-exactly on a rounding tie), inside the runner's atol of 1e-2, and the reference's time is what a
-dense float32 weight costs per call (transformers' CPU path without a kernel).
+Workloads are named <type>_<N>x<K>_m<M> for a weight of N output rows and K input columns. Each
+class times one implementation of the same workloads:
+  MulMatVec (M <= 8), MulMat (M > 8)
+                   this package: mul_mat_vec / mul_mat on the packed blocks
+  *_ggml           ggml's own GGML_OP_MUL_MAT through llama-cpp-python's libggml (the repository's
+                   tools/testing/ggml_ctypes.py; present when that is importable, as in `nox -s bench`):
+                   a one-op graph planned once, only ggml_graph_compute timed
+  *_tf_f32, *_tf_bf16
+                   what transformers runs per call on the CPU without a kernel: it dequantizes the
+                   GGUF at load and keeps dense weights, so each call is a dense F.linear (float32, or
+                   bfloat16 for a model loaded in it)
+  MulMat_tf_unpack what transformers runs for M > 8 with the kernel installed: GgufLinear dequantizes
+                   the packed weight with its own torch code on every call, then multiplies
+  MulMatGroup      a layer's sibling projections in one mul_mat_group call
+Weights are streamed from memory as in a real decode: each workload cycles through copies of its
+weight (rows in different orders, so no two pages are equal) until they overflow the last-level
+cache four times over.
+
+The reference (verify_*) is a dense float32 matmul against the dequantized weight, with the
+activations rounded the way ggml's CPU dot products round them (to Q8_0 or Q8_K blocks, see
+`_round_like_ggml`): ours and ggml's match it to ~1e-5 of the output scale (~1e-3 in the rare row
+where an activation sits exactly on a rounding tie), inside the runner's atol of 1e-2. transformers'
+float32 paths do not round activations and are checked against the unrounded product; bfloat16 is
+not checked (its own rounding is larger than the runner's tolerance). GGML_KERNELS_BENCH_QUICK=1
+runs two types at one shape each, weights cache-resident (for tests).
 """
 
-import torch
+import math
+import os
+from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from kernels.benchmark import Benchmark
 
-TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
-MATVEC_SHAPES = [(1024, 1024), (3584, 1024), (1024, 3584), (2560, 9216), (9216, 2560)]  # (N, K)
-MATVEC_M = [1, 8]
-MATMAT = {64: [(3584, 1024), (1024, 3584), (9216, 2560)], 512: [(3584, 1024), (1024, 3584)]}
+try:  # ggml's own op: llama-cpp-python's libggml, through this repository's tools (not on the Hub)
+    from tools.testing import ggml_ctypes
+except ImportError:
+    ggml_ctypes = None
+
+QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
+TYPES = ["Q4_0", "Q4_K"] if QUICK else ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
+MATVEC = {1: [(1024, 3584)]} if QUICK else {m: [(1024, 1024), (3584, 1024), (1024, 3584), (2560, 9216), (9216, 2560)]
+                                            for m in (1, 8)}  # M -> (N, K)
+MATMAT = {64: [(1024, 3584)]} if QUICK else {64: [(3584, 1024), (1024, 3584), (9216, 2560)],
+                                             512: [(3584, 1024), (1024, 3584)]}
+MAX_COPIES = 64
+
+
+def _llc_bytes() -> int:
+    """Largest CPU cache, from sysfs (32 MiB when it cannot be read)."""
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            s = f.read_text().strip().upper()
+            best = max(best, int(s.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1))
+        except (OSError, ValueError):
+            continue
+    return best or (32 << 20)
+
+
+ROTATE_BYTES = 0 if QUICK else max(4 * _llc_bytes(), 64 << 20)
+
+
+def _copies(t: torch.Tensor, gen: torch.Generator) -> list[torch.Tensor]:
+    """t and row-permuted copies of it, enough to overflow the cache ROTATE_BYTES times over."""
+    n = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (t.numel() * t.element_size()))))
+    return [t] + [t[torch.randperm(t.shape[0], generator=gen)] for _ in range(n - 1)]
 
 
 def _round_like_ggml(x: torch.Tensor, vec_dot_type: str) -> torch.Tensor:
@@ -47,33 +100,152 @@ def _round_like_ggml(x: torch.Tensor, vec_dot_type: str) -> torch.Tensor:
 
 
 class _PackedProduct:
-    """Shared setup and reference (not a Benchmark itself: the runner wants workloads in each)."""
+    """Shared setup, rotation and reference (not a Benchmark itself: the runner would time it).
+    `run` calls the implementation on the next copy of the weight; the first call uses the original,
+    which is the one the runner checks."""
 
     seed = 0
+    checked = True  # whether the runner compares the output with _verify
 
     def _setup(self, type_name: str, n: int, k: int, m: int) -> None:
         gen = torch.Generator().manual_seed(n * 7919 + k * 31 + m)
         # weights ~ N(0, 1/K) keep every output O(1), whatever K is
         w = torch.randn(n, k, generator=gen) / k**0.5
-        self.type, self.n = type_name, n
+        self.type, self.n, self.k, self.m, self.calls = type_name, n, k, m, 0
         self.blocks = self.kernel.quantize(w, type_name)
         self.x = torch.randn(m, k, generator=gen)
         self.out = torch.empty(m, n)
         # the reference, precomputed so verify times only a dense float32 matmul
         self.w_dense = self.kernel.dequantize(self.blocks, type_name, n, k, torch.float32)
-        vec_dot = self.kernel.type_info(type_name).vec_dot_type.name
-        self.x_rounded = _round_like_ggml(self.x, vec_dot)
+        self.x_rounded = _round_like_ggml(self.x, self.kernel.type_info(type_name).vec_dot_type.name)
+        self.weights = [self._operand(w) for w in _copies(self._weight(), gen)]
+
+    def _weight(self) -> torch.Tensor:
+        """The weight this implementation reads: the packed blocks (dense implementations override it)."""
+        return self.blocks
+
+    def _operand(self, weight: torch.Tensor):
+        """What _run calls with one copy of the weight (a module or a graph for some implementations)."""
+        return weight
+
+    def _next(self):
+        w = self.weights[self.calls % len(self.weights)]
+        self.calls += 1
+        return w
 
     def _verify(self) -> torch.Tensor:
-        return torch.nn.functional.linear(self.x_rounded, self.w_dense)
+        return F.linear(self.x_rounded, self.w_dense)
 
 
 class MulMatVec(_PackedProduct, Benchmark):
     """Decode: transformers calls mul_mat_vec for M <= 8 rows."""
 
+    def _run(self) -> None:
+        self.out = self.kernel.mul_mat_vec(self._next(), self.x, self.type, self.n)
+
 
 class MulMat(_PackedProduct, Benchmark):
     """Prefill: mul_mat on the packed weight, no dense copy."""
+
+    def _run(self) -> None:
+        self.out = self.kernel.mul_mat(self._next(), self.x, self.type, self.n)
+
+
+class _Dense(_PackedProduct):
+    """transformers without a kernel: the weight dequantized at load, F.linear per call."""
+
+    dtype = torch.float32
+
+    def _weight(self):
+        return self.w_dense.to(self.dtype)
+
+    def _run(self) -> None:
+        self.out = F.linear(self.x.to(self.dtype), self._next())
+
+    def _verify(self) -> torch.Tensor:
+        return F.linear(self.x, self.w_dense)  # transformers does not round the activations
+
+
+class MulMatVec_tf_f32(_Dense, Benchmark):
+    pass
+
+
+class MulMat_tf_f32(_Dense, Benchmark):
+    pass
+
+
+class _DenseBf16(_Dense):
+    dtype = torch.bfloat16
+    checked = False
+
+    def _run(self) -> None:
+        self.out = F.linear(self.x.to(self.dtype), self._next()).float()
+
+
+class MulMatVec_tf_bf16(_DenseBf16, Benchmark):
+    pass
+
+
+class MulMat_tf_bf16(_DenseBf16, Benchmark):
+    pass
+
+
+class MulMat_tf_unpack(_PackedProduct, Benchmark):
+    """transformers' GgufLinear wired to this kernel as transformers wires the Hub one: above 8 rows
+    it dequantizes the packed weight with its own torch code on every call."""
+
+    def _operand(self, weight: torch.Tensor):
+        import transformers.integrations.gguf.kernels as tk
+        from transformers.integrations.gguf.utils import GgufLinear
+
+        tk._gguf_kernel = tk.GgufKernel(self.kernel)
+        linear = GgufLinear(self.k, self.n, int(self.kernel.GGMLType[self.type]))
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        return linear
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            self.out = self._next()(self.x)
+
+    def _verify(self) -> torch.Tensor:
+        return F.linear(self.x, self.w_dense)
+
+
+class _Ggml(_PackedProduct):
+    """ggml's own GGML_OP_MUL_MAT, one graph per weight copy; `out` is read from the graph last run."""
+
+    def _operand(self, weight: torch.Tensor):
+        t = int(self.kernel.GGMLType[self.type])
+        graph = ggml_ctypes.MulMat(weight.numpy(), t, self.k, self.m, torch.get_num_threads())
+        graph.set_input(self.x.numpy())
+        return graph
+
+    def _run(self) -> None:
+        self.graph = self._next()
+        self.graph.compute()
+
+    @property
+    def out(self):
+        graph = self.__dict__.get("graph")
+        return None if graph is None else torch.from_numpy(graph.output())
+
+    @out.setter
+    def out(self, value):
+        pass
+
+
+MATVEC_CLASSES = [MulMatVec, MulMatVec_tf_f32, MulMatVec_tf_bf16]
+MATMAT_CLASSES = [MulMat, MulMat_tf_f32, MulMat_tf_bf16, MulMat_tf_unpack]
+if ggml_ctypes is not None and ggml_ctypes.available():
+
+    class MulMatVec_ggml(_Ggml, Benchmark):
+        pass
+
+    class MulMat_ggml(_Ggml, Benchmark):
+        pass
+
+    MATVEC_CLASSES.append(MulMatVec_ggml)
+    MATMAT_CLASSES.append(MulMat_ggml)
 
 
 class MulMatGroup(Benchmark):
@@ -121,27 +293,18 @@ class MulMatGroup(Benchmark):
         return self._verify()
 
 
-def _add(cls, op: str, type_name: str, n: int, k: int, m: int) -> None:
+def _add(cls, type_name: str, n: int, k: int, m: int) -> None:
+    """Workload <type>_<N>x<K>_m<M> of cls and its subclasses: _setup, then _run timed, _verify checked."""
     name = f"{type_name.lower()}_{n}x{k}_m{m}"
-
-    def setup(self):
-        self._setup(type_name, n, k, m)
-
-    def bench(self):
-        self.out = getattr(self.kernel, op)(self.blocks, self.x, self.type, self.n)
-
-    def verify(self):
-        return self._verify()
-
-    setattr(cls, f"setup_{name}", setup)
-    setattr(cls, f"benchmark_{name}", bench)
-    setattr(cls, f"verify_{name}", verify)
+    setattr(cls, f"setup_{name}", lambda self: self._setup(type_name, n, k, m))
+    setattr(cls, f"benchmark_{name}", lambda self: self._run())
+    if cls.checked:
+        setattr(cls, f"verify_{name}", lambda self: self._verify())
 
 
 for _t in TYPES:
-    for _m in MATVEC_M:
-        for _n, _k in MATVEC_SHAPES:
-            _add(MulMatVec, "mul_mat_vec", _t, _n, _k, _m)
-    for _m, _shapes in MATMAT.items():
-        for _n, _k in _shapes:
-            _add(MulMat, "mul_mat", _t, _n, _k, _m)
+    for _plan, _classes in ((MATVEC, MATVEC_CLASSES), (MATMAT, MATMAT_CLASSES)):
+        for _m, _shapes in _plan.items():
+            for _n, _k in _shapes:
+                for _cls in _classes:
+                    _add(_cls, _t, _n, _k, _m)

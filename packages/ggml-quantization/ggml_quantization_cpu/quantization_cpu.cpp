@@ -118,7 +118,8 @@ bool is_float_type(ggml_type t) {
 // column: "only enable sgemm for prompt processing"), so the results are bit-identical, minus the
 // cost of building and planning a graph per slice, which for a decode step's small matrices is a
 // good part of the op. At M = 8 ggml's own blocked loop was faster on large Q4_K weights
-// (tools/bench/bench_quantization.py: 0.72x-0.83x), so more rows keep the graph.
+// (0.72x-0.83x: MulMatVec against MulMatVec_ggml in benchmarks/benchmark_mul_mat.py), so more rows
+// keep the graph.
 constexpr int64_t kDirectDotRows = 1;
 
 // How far ahead of the row being multiplied its weight rows are requested from memory (software
