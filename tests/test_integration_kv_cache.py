@@ -8,33 +8,30 @@ from __future__ import annotations
 import pytest
 import torch
 from ggml_kernels_integration import kv_cache
+from ggml_kernels_integration.patching import PatchSet
 
 
 @pytest.fixture(scope="module", params=["kv_write", "torch"])
 def layers(request):
     """(transformers' DynamicLayer.update, ours). Installs ours as enable() does, with ggml-attn's
     `kv_write` op for decode appends or (as without that build) torch's narrow + copy_ only, and
-    puts transformers' back afterwards unless something in this process had installed it before,
-    so later tests comparing against stock transformers really run transformers' own cache."""
-    from tools.testing.kernel_testing import load_kernel
+    puts transformers' back afterwards, so later tests comparing against stock transformers really
+    run transformers' own cache."""
     from transformers.cache_utils import DynamicLayer
 
-    installed_before = kv_cache._state.get("installed", False)
-    write_before = kv_cache._state.pop("write", None)
+    from tools.testing.kernel_testing import load_kernel
+
     write = None
     if request.param == "kv_write":
         write = load_kernel("ggml-org/ggml-attn").ops.kv_write.default
-    kv_cache.install(write)
-    assert kv_cache._state.get("write") is write
-    original, ours = kv_cache._state["original"], DynamicLayer.update
+    original = DynamicLayer.update
+    patches = PatchSet()
+    kv_cache.install(patches, write)
+    ours = DynamicLayer.update
     assert ours is not original  # the test compares two different implementations
     yield original, ours
-    kv_cache._state.pop("write", None)
-    if write_before is not None:
-        kv_cache._state["write"] = write_before
-    if not installed_before:
-        DynamicLayer.update = original
-        kv_cache._state.clear()
+    patches.restore()
+    assert DynamicLayer.update is original
 
 
 def _pair():

@@ -6,28 +6,28 @@ reader, which never comes here); other uses of gguf-py's reader are untouched.""
 
 from __future__ import annotations
 
-from tools.models import smollm2
 import numpy as np
 import pytest
 from ggml_kernels_integration import lean_metadata
+from ggml_kernels_integration.patching import PatchSet
+
+from tools.models import smollm2
 
 
 @pytest.fixture(scope="module")
 def loaders():
     """(transformers' load_gguf_checkpoint with gguf-py's own parts, the installed one). Installs as
-    enable() does and restores both patches afterwards unless they were installed before."""
+    enable() does and restores both patches afterwards."""
     from gguf import GGUFReader
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    installed_before = lean_metadata._state.get("installed", False)
-    lean_metadata.install()
-    original_load, original_parts = lean_metadata._state["original_load"], lean_metadata._state["original_parts"]
+    original_load, original_parts = gguf_utils.load_gguf_checkpoint, GGUFReader._get_field_parts
+    patches = PatchSet()
+    lean_metadata.install(patches)
     assert gguf_utils.load_gguf_checkpoint is not original_load
     yield original_load, gguf_utils.load_gguf_checkpoint
-    if not installed_before:
-        gguf_utils.load_gguf_checkpoint = original_load
-        GGUFReader._get_field_parts = original_parts
-        lean_metadata._state.clear()
+    patches.restore()
+    assert (gguf_utils.load_gguf_checkpoint, GGUFReader._get_field_parts) == (original_load, original_parts)
 
 
 def test_same_config_and_tokenizer_as_gguf_py_parts(loaders):

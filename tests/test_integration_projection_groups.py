@@ -8,35 +8,37 @@ from __future__ import annotations
 import pytest
 import torch
 from ggml_kernels_integration import projection_groups
-from tools.testing.kernel_testing import load_kernel
+from ggml_kernels_integration.patching import PatchSet
 from torch import nn
 
+from tools.testing.kernel_testing import load_kernel
+
 K = 256
+OWN_FORWARD: dict = {}  # transformers' GgufLinear.forward, as the fixture found it
 
 
 @pytest.fixture(scope="module")
 def quant():
     """The kernel package, with GgufLinear.forward patched as enable() patches it; transformers' own
-    forward is put back afterwards unless something in this process had patched it before."""
+    forward is put back afterwards."""
     from transformers.integrations.gguf import kernels as gguf_kernels
     from transformers.integrations.gguf.utils import GgufLinear
 
-    patched_before = projection_groups._state.get("patched", False)
     resolved_before = gguf_kernels._gguf_kernel
     quant = load_kernel("ggml-org/ggml-quantization")
     gguf_kernels._gguf_kernel = gguf_kernels.GgufKernel(quant)  # what transformers' own forward calls
-    projection_groups.patch_forward(quant)
-    assert GgufLinear.forward is not projection_groups._state["original"]
+    patches = PatchSet()
+    OWN_FORWARD["forward"] = GgufLinear.forward
+    projection_groups.patch_forward(patches, quant)
+    assert GgufLinear.forward is not OWN_FORWARD["forward"]
     yield quant
     gguf_kernels._gguf_kernel = resolved_before
-    if not patched_before:
-        GgufLinear.forward = projection_groups._state["original"]
-        projection_groups._state.clear()
+    patches.restore()
 
 
 def own_forward(module, x):
     """transformers' GgufLinear.forward, which never looks at a group."""
-    return projection_groups._state["original"](module, x)
+    return OWN_FORWARD["forward"](module, x)
 
 
 def linear(quant, out_features, ggml_type="Q4_K", seed=0, bias=False):
@@ -79,7 +81,7 @@ def our_calls(fn) -> dict[str, int]:
 
 def test_install_groups_only_listed_layers_without_bias(quant):
     model = nn.ModuleList([LlamaAttention(quant), LlamaMLP(quant), UnlistedAttention(quant), LlamaMLP(quant, bias=True)])
-    assert projection_groups.install(model) == 2
+    assert projection_groups.install(model, quant) == 2
     group = model[0].q_proj.__dict__[projection_groups.GROUP_ATTR]
     assert group.members == [model[0].q_proj, model[0].k_proj, model[0].v_proj]
     assert model[1].up_proj.__dict__[projection_groups.GROUP_ATTR].members == [model[1].gate_proj, model[1].up_proj]
@@ -93,7 +95,7 @@ def test_install_groups_only_listed_layers_without_bias(quant):
 @pytest.mark.parametrize("inference", [True, False])
 def test_siblings_get_their_own_outputs_from_one_call(quant, inference):
     attn = LlamaAttention(quant)
-    projection_groups.install(attn)
+    projection_groups.install(attn, quant)
     x = torch.randn(1, 1, K)
     with torch.inference_mode(inference), torch.no_grad():
         want = [own_forward(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -107,7 +109,7 @@ def test_siblings_get_their_own_outputs_from_one_call(quant, inference):
 
 def test_any_member_first_and_a_repeated_call(quant):
     mlp = LlamaMLP(quant)
-    projection_groups.install(mlp)
+    projection_groups.install(mlp, quant)
     x = torch.randn(1, K)
     with torch.inference_mode():
         up, gate = mlp.up_proj(x), mlp.gate_proj(x)  # called in the other order
@@ -119,7 +121,7 @@ def test_any_member_first_and_a_repeated_call(quant):
 
 def test_another_input_is_computed_not_taken_from_the_group(quant):
     attn = LlamaAttention(quant)
-    projection_groups.install(attn)
+    projection_groups.install(attn, quant)
     x1, x2 = torch.randn(1, 1, K), torch.randn(1, 1, K)
     with torch.inference_mode():
         attn.q_proj(x1)
@@ -136,7 +138,7 @@ def test_in_place_change_between_siblings_is_seen(quant):
     """Tensors outside inference mode carry a version counter: an in-place change after the first
     sibling's call makes the next one compute on the changed values."""
     mlp = LlamaMLP(quant)
-    projection_groups.install(mlp)
+    projection_groups.install(mlp, quant)
     x = torch.randn(1, K)
     with torch.no_grad():
         mlp.gate_proj(x)
@@ -147,7 +149,7 @@ def test_in_place_change_between_siblings_is_seen(quant):
 
 def test_prefill_rows_run_the_modules_own_forward(quant):
     attn = LlamaAttention(quant)
-    projection_groups.install(attn)
+    projection_groups.install(attn, quant)
     x = torch.randn(1, 16, K)  # more rows than a decode step: transformers' mul_mat path per module
     with torch.inference_mode():
         got = []
@@ -161,7 +163,7 @@ def test_prefill_rows_run_the_modules_own_forward(quant):
 def test_a_batch_of_decode_rows_is_grouped(quant):
     """Up to MAX_GEMV_ROWS rows (a batched decode step) share one call too."""
     mlp = LlamaMLP(quant)
-    projection_groups.install(mlp)
+    projection_groups.install(mlp, quant)
     x = torch.randn(3, 1, K)
     with torch.inference_mode():
         got = []
@@ -176,7 +178,7 @@ def test_threads_keep_their_own_outputs(quant):
     import threading
 
     attn = LlamaAttention(quant)
-    projection_groups.install(attn)
+    projection_groups.install(attn, quant)
     x1, x2 = torch.randn(1, 1, K), torch.randn(1, 1, K)
     got = {}
 

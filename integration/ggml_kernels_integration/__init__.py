@@ -4,7 +4,7 @@
     gk.enable()
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=name)
 
-`enable()` is thin, it rewrites no model code:
+`enable()` is thin, it rewrites no model code, and `disable()` undoes it:
 - points the Hub ids transformers asks for at our local builds (LOCAL_KERNELS), and resolves them
   as CPU builds even on a CUDA build of torch;
 - maps the layer kernels (RMSNormZeroCentered, RMSNorm, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter, and
@@ -20,25 +20,47 @@
 - lets CPU key/value caches grow in place instead of being re-copied every step (see `kv_cache`);
 - reads a GGUF's config without a numpy object per vocabulary entry (see `lean_metadata`);
 - runs a layer's sibling projections (q/k/v, gate/up, ...) as one kernel call in decode steps (see
-  `projection_groups`), and hands the memory the load freed back to the system.
+  `projection_groups`), and hands the memory the load freed back to the system;
+- after each packed load, says once what runs on our kernels and what does not, and why (`report`),
+  instead of kernels' warning per layer.
+
+It is all or nothing: every change goes through one undo log (`patching.PatchSet`), so a failure
+midway leaves transformers as it was, and `disable()` restores every attribute it changed. It checks
+first that transformers and kernels are versions it was tested with and that every internal it
+relies on is where it expects (`compat`). Builds are found in `GGML_KERNELS_BUILDS`, kernels'
+`LOCAL_KERNELS`, or this checkout (`locate`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
-from pathlib import Path
 
-import tomllib
 import torch
 
-from . import archs, dense_prefill, kv_cache, lean_metadata, projection_groups
+from . import archs, compat, dense_prefill, kv_cache, lean_metadata, locate, projection_groups, report
+from .compat import InternalsChangedError, UnsupportedVersionError
+from .locate import builds
+from .patching import PatchSet
 from .validate import GgufFileError, GgufSummary, check_gguf
 
-__all__ = ["GgufFileError", "GgufSummary", "builds", "check_gguf", "enable"]
+__all__ = [
+    "GgufFileError",
+    "GgufSummary",
+    "InternalsChangedError",
+    "UnsupportedVersionError",
+    "builds",
+    "check_gguf",
+    "disable",
+    "enable",
+    "is_enabled",
+    "original",
+    "summary",
+]
 
 _dense_prefill_module = dense_prefill  # `enable`'s keyword has the module's name
 
-REPO = Path(__file__).resolve().parents[2]
 # kernel name transformers asks for -> (Hub id, layer class in that package)
 LAYER_KERNELS = {
     "RMSNormZeroCentered": ("ggml-org/ggml-norm", "RMSNormZeroCentered"),
@@ -49,138 +71,198 @@ LAYER_KERNELS = {
     "rotary_pos_emb": ("ggml-org/ggml-attn", "RotaryPosEmb"),
 }
 
-_state: dict = {}
+_active: dict = {}  # "patches": the PatchSet of the enable() in force
 
 
-def builds() -> dict[str, Path]:
-    """Hub id -> package folder, for every package of this repo that has a build."""
-    out = {}
-    for toml in sorted((REPO / "packages").glob("*/build.toml")):
-        with open(toml, "rb") as f:
-            repo_id = tomllib.load(f)["general"]["hub"]["repo-id"]
-        if any((toml.parent / "build").glob("torch*-cpu-*")):
-            out[repo_id] = toml.parent
-    return out
+def is_enabled() -> bool:
+    return "patches" in _active
 
 
-def _variant_dir(package: Path) -> Path:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
-    return package / "build" / f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
-
-
-def enable(*, dense_prefill: bool = True) -> None:
-    """Make transformers' GGUF path run on ggml-kernels (idempotent). See the module docstring.
+def enable(*, dense_prefill: bool = True, allow_untested_versions: bool = False, report_loads: bool = True) -> None:
+    """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
 
     dense_prefill: prefill matmuls on block-32 weights take `dense_prefill` (ggml's dequantize and a
-    bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
-    matmul (8-bit activations, as llama.cpp). The last call's value holds."""
-    _dense_prefill_module.set_enabled(dense_prefill)
-    if _state.get("enabled"):
+        bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
+        matmul (8-bit activations, as llama.cpp). The last call's value holds.
+    allow_untested_versions: run with transformers / kernels outside the tested range (`compat.TESTED`).
+    report_loads: after each packed GGUF load, log (logger "ggml_kernels_integration", INFO, on
+        stderr unless the application configured logging) what runs on our kernels.
+
+    Calling it again while enabled only updates `dense_prefill`. Raises `UnsupportedVersionError`,
+    `InternalsChangedError` or `RuntimeError` (no build found) before changing anything; any other
+    failure undoes what was changed."""
+    if is_enabled():
+        _dense_prefill_module.set_enabled(dense_prefill)
         return
+    if not allow_untested_versions:
+        compat.check_versions()
+    compat.check_internals()
+    ours = locate.builds()
+    if locate.QUANTIZATION not in ours:
+        raise RuntimeError(locate.not_found_message())
+    patches = PatchSet()
+    try:
+        _install(patches, ours, report_loads)
+    except BaseException:
+        patches.restore()
+        raise
+    _dense_prefill_module.set_enabled(dense_prefill)
+    _active["patches"] = patches
+
+
+def disable() -> None:
+    """Undo `enable()`: every attribute, table entry and environment variable it changed is restored.
+    Models loaded while enabled keep the layer kernels grafted onto their modules; their packed
+    linears go back to transformers' own path."""
+    patches = _active.pop("patches", None)
+    if patches is not None:
+        patches.restore()
+    _dense_prefill_module.set_enabled(True)
+
+
+def original(owner, name: str):
+    """What `owner.name` was before `enable()` replaced it (for A/B measurements of one feature)."""
+    if not is_enabled():
+        raise RuntimeError("ggml_kernels_integration is not enabled")
+    return _active["patches"].original(owner, name)
+
+
+def summary(model) -> report.Summary:
+    """What `model` runs on: our kernels (by package) and transformers' own code (with the reason)."""
+    return report.summary(model, LAYER_KERNELS)
+
+
+def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
     import kernels
-    from kernels import LocalLayerRepository, Mode
+    from transformers.integrations.gguf import kernels as gguf_kernels
+
+    _point_hub_ids_at(patches, ours)
+    patches.set_attr(gguf_kernels, "_gguf_kernel", None)  # forget a lookup made before enable()
+    _map_layer_kernels(patches, ours)
+    archs.register(patches)  # llama files (SmolLM2, ...) kept packed too
+    _release_mapped_pages_after_each_tensor(patches)
+    write = None
+    if "ggml-org/ggml-attn" in ours:
+        attn = kernels.get_kernel("ggml-org/ggml-attn", version=1, **locate.backend_kwargs())
+        write = attn.ops.kv_write.default if hasattr(attn, "kv_write") else None
+    kv_cache.install(patches, write)  # decode steps append to the key/value cache in place
+    lean_metadata.install(patches)  # config reads without a numpy view per vocabulary entry
+    _check_files_before_transformers_reads_them(patches)
+    quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
+    _route_cpu_reads_through_kernels(patches, quant)
+    projection_groups.patch_forward(patches, quant)
+    steps = [functools.partial(projection_groups.install, quant=quant), _return_freed_memory]
+    if report_loads:
+        steps.append(_log_summary)
+        _show_reports(patches)
+    _after_each_gguf_load(patches, *steps)
+
+
+def _point_hub_ids_at(patches: PatchSet, ours: dict) -> None:
+    """LOCAL_KERNELS names our builds for the Hub ids transformers asks for; on a CUDA build of torch
+    they resolve as the CPU builds they are."""
     from transformers.integrations import hub_kernels
+
+    mapping = ":".join(f"{repo}={path}" for repo, path in ours.items())
+    existing = os.environ.get("LOCAL_KERNELS")
+    patches.set_env("LOCAL_KERNELS", ":".join(p for p in (existing, mapping) if p))
+
+    def make(original_get_kernel):
+        def get_kernel(repo_id, *args, **kwargs):
+            if repo_id in ours:
+                for key, value in locate.backend_kwargs().items():
+                    kwargs.setdefault(key, value)
+            return original_get_kernel(repo_id, *args, **kwargs)
+
+        return get_kernel
+
+    patches.wrap(hub_kernels, "get_kernel_hub", make)
+
+
+def _map_layer_kernels(patches: PatchSet, ours: dict) -> None:
+    """Layer kernels for the devices we build for, from the build folder itself (no Hub call, no
+    backend guess). transformers drops a layer whose every entry does not load, and its "mps" entries
+    ask the Hub for a version, so a layer we build replaces transformers' entry instead of joining it."""
+    from kernels import LocalLayerRepository, Mode
+    from transformers.integrations.gguf import kernels as gguf_kernels
+
+    def make(original_mapping):
+        def layer_mapping() -> dict:
+            out = original_mapping()
+            for layer, (repo_id, layer_class) in LAYER_KERNELS.items():
+                if repo_id in ours:
+                    repo = LocalLayerRepository(repo_path=locate.variant_dir(ours[repo_id]), layer_name=layer_class)
+                    out[layer] = {"cpu": {Mode.INFERENCE: repo}}
+            return out
+
+        return layer_mapping
+
+    patches.wrap(gguf_kernels, "get_ggml_layer_mapping", make)
+
+
+def _route_cpu_reads_through_kernels(patches: PatchSet, quant) -> None:
+    """On the CPU transformers unpacks embeddings and prefill weights with its own torch code
+    (kernel_can_read is False there): our get_rows / mul_mat read the packed blocks directly."""
     from transformers.integrations.gguf import kernels as gguf_kernels
     from transformers.integrations.gguf import utils as gguf_utils
 
-    ours = builds()
-    if "ggml-org/ggml-quantization" not in ours:
-        raise RuntimeError("ggml-quantization is not built: run `python tools/build.py` (or `nox -s build`)")
-    mapping = ":".join(f"{repo}={path}" for repo, path in ours.items())
-    os.environ["LOCAL_KERNELS"] = ":".join(p for p in (os.environ.get("LOCAL_KERNELS"), mapping) if p)
+    def make_can_read(original_can_read):
+        def kernel_can_read(tensor) -> bool:
+            return gguf_kernels.get_gguf_kernel() is not False and (tensor.device.type == "cpu" or original_can_read(tensor))
 
-    # Our builds are CPU builds: resolve our ids with backend="cpu" whatever torch was built for.
-    original_get_kernel = hub_kernels.get_kernel_hub
+        return kernel_can_read
 
-    def get_kernel(repo_id, *args, **kwargs):
-        if repo_id in ours and torch.version.cuda:
-            kwargs.setdefault("backend", "cpu")
-        return original_get_kernel(repo_id, *args, **kwargs)
+    def make_unpack(original_unpack):
+        def unpack_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+            if self.weight.device.type != "cpu":
+                return original_unpack(self, flat)
+            if _dense_prefill_module.applies(self.ggml_type, flat.shape[0]):
+                out = _dense_prefill_module.matmul(quant, self.weight, flat, self.ggml_type, self.out_features)
+            else:
+                out = quant.mul_mat(self.weight, flat, self.ggml_type, self.out_features)
+            return out.to(flat.dtype)
 
-    hub_kernels.get_kernel_hub = get_kernel
-    gguf_kernels._gguf_kernel = None  # forget a lookup made before enable()
+        return unpack_matmul
 
-    # Layer kernels for the devices we build for (the build folder itself: no Hub call, no backend
-    # guess). transformers drops a layer whose every entry does not load, and its "mps" entries ask
-    # the Hub for a version, so a layer we build replaces transformers' entry instead of joining it.
-    original_mapping = gguf_kernels.get_ggml_layer_mapping
-
-    def layer_mapping() -> dict:
-        out = original_mapping()
-        for layer, (repo_id, layer_class) in LAYER_KERNELS.items():
-            if repo_id in ours:
-                repo = LocalLayerRepository(repo_path=_variant_dir(ours[repo_id]), layer_name=layer_class)
-                out[layer] = {"cpu": {Mode.INFERENCE: repo}}
-        return out
-
-    gguf_kernels.get_ggml_layer_mapping = layer_mapping
-
-    # Architectures transformers still sends to its dequantizing loader (llama: SmolLM2, ...).
-    archs.register()
-
-    # transformers copies each tensor out of the memory-mapped file, and the mapped pages it read
-    # stay resident until the whole load ends: the peak was the file twice. Drop them as it goes.
-    _release_mapped_pages_after_each_tensor()
-
-    # Decode steps append to the key/value cache in place instead of re-copying it (see kv_cache),
-    # keys and values with one ggml-attn call where that build has it.
-    write = None
-    if "ggml-org/ggml-attn" in ours:
-        attn = kernels.get_kernel("ggml-org/ggml-attn", version=1, **({"backend": "cpu"} if torch.version.cuda else {}))
-        write = attn.ops.kv_write.default if hasattr(attn, "kv_write") else None
-    kv_cache.install(write)
-
-    # Config reads parse the tokenizer's arrays without a numpy view per entry (see lean_metadata).
-    lean_metadata.install()
-
-    # A damaged or unsupported file fails on its first header read (the config's), in one clear
-    # sentence, before a model is built (see `validate`).
-    _check_files_before_transformers_reads_them()
-
-    # On the CPU transformers unpacks embeddings and prefill weights with its own torch code
-    # (kernel_can_read is False there): our get_rows / mul_mat read the packed blocks directly.
-    original_can_read = gguf_kernels.kernel_can_read
-
-    def kernel_can_read(tensor) -> bool:
-        return gguf_kernels.get_gguf_kernel() is not False and (tensor.device.type == "cpu" or original_can_read(tensor))
-
-    gguf_kernels.kernel_can_read = kernel_can_read
-    quant = kernels.get_kernel("ggml-org/ggml-quantization", version=1, **({"backend": "cpu"} if torch.version.cuda else {}))
-    original_unpack = gguf_utils.GgufLinear._unpack_matmul
-
-    def unpack_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.weight.device.type != "cpu":
-            return original_unpack(self, flat)
-        if _dense_prefill_module.applies(self.ggml_type, flat.shape[0]):
-            out = _dense_prefill_module.matmul(quant, self.weight, flat, self.ggml_type, self.out_features)
-        else:
-            out = quant.mul_mat(self.weight, flat, self.ggml_type, self.out_features)
-        return out.to(flat.dtype)
-
-    gguf_utils.GgufLinear._unpack_matmul = unpack_matmul
-
-    # Decode steps: a layer's sibling projections (q/k/v, gate/up, ...) in one kernel call each.
-    projection_groups.patch_forward(quant)
-    _after_each_gguf_load(projection_groups.install, _return_freed_memory)
-
-    _state.update(enabled=True, quant=quant)
+    patches.wrap(gguf_kernels, "kernel_can_read", make_can_read)
+    patches.wrap(gguf_utils.GgufLinear, "_unpack_matmul", make_unpack)
 
 
-def _after_each_gguf_load(*steps) -> None:
-    """Run `step(model)` for each step once transformers has loaded a GGUF model's weights."""
+def _log_summary(model) -> None:
+    report.LOGGER.info(report.describe(summary(model)))
+
+
+def _show_reports(patches: PatchSet) -> None:
+    """Our logger says INFO on stderr, unless the application gave it (or the root logger) a handler."""
+    logger = report.LOGGER
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    patches.on_restore(logging.Logger.manager._clear_cache)  # runs last: levels are cached per logger
+    patches.set_attr(logger, "handlers", [handler])
+    patches.set_attr(logger, "propagate", False)
+    patches.set_attr(logger, "level", logging.INFO)
+    logging.Logger.manager._clear_cache()
+
+
+def _after_each_gguf_load(patches: PatchSet, *steps) -> None:
+    """Run `step(model)` for each step once transformers has loaded a GGUF model's weights; kernels'
+    per-layer "No kernel mapping" warnings of that load are held back (`report` says it once)."""
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
 
-    original = GgufHfQuantizer._process_model_after_weight_loading
+    def make(original):
+        def after_loading(self, model, **kwargs):
+            with report.quiet_kernelize():
+                model = original(self, model, **kwargs)
+            if self.supported and not self.quantization_config.dequantize:
+                for step in steps:
+                    step(model)
+            return model
 
-    def after_loading(self, model, **kwargs):
-        model = original(self, model, **kwargs)
-        if self.supported and not self.quantization_config.dequantize:
-            for step in steps:
-                step(model)
-        return model
+        return after_loading
 
-    GgufHfQuantizer._process_model_after_weight_loading = after_loading
+    patches.wrap(GgufHfQuantizer, "_process_model_after_weight_loading", make)
 
 
 def _return_freed_memory(model=None) -> None:
@@ -197,7 +279,9 @@ def _return_freed_memory(model=None) -> None:
         pass
 
 
-def _check_files_before_transformers_reads_them() -> None:
+def _check_files_before_transformers_reads_them(patches: PatchSet) -> None:
+    """A damaged or unsupported file fails on its first header read (the config's), in one clear
+    sentence, before a model is built (see `validate`)."""
     import transformers.integrations.gguf as gguf_package
     from transformers.integrations.gguf import reader
     from transformers.quantizers import quantizer_gguf
@@ -213,12 +297,13 @@ def _check_files_before_transformers_reads_them() -> None:
             checked.add(key)
         return original(gguf_path, *args, **kwargs)
 
-    reader.read_gguf_metadata = read_gguf_metadata
-    gguf_package.read_gguf_metadata = read_gguf_metadata  # config / tokenizer import it from here
-    quantizer_gguf.read_gguf_metadata = read_gguf_metadata
+    for module in (reader, gguf_package, quantizer_gguf):  # config / tokenizer import it from the package
+        patches.set_attr(module, "read_gguf_metadata", read_gguf_metadata)
 
 
-def _release_mapped_pages_after_each_tensor() -> None:
+def _release_mapped_pages_after_each_tensor(patches: PatchSet) -> None:
+    """transformers copies each tensor out of the memory-mapped file, and the mapped pages it read
+    stay resident until the whole load ends: the peak was the file twice. Drop them as it goes."""
     import ctypes
     import mmap
 
@@ -238,4 +323,4 @@ def _release_mapped_pages_after_each_tensor() -> None:
         libc.madvise(first, end - first, mmap.MADV_DONTNEED)
         return tensor
 
-    reader.LazyGgufTensor.__getitem__ = getitem
+    patches.set_attr(reader.LazyGgufTensor, "__getitem__", getitem)

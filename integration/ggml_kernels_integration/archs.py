@@ -61,11 +61,12 @@ def _llama(config) -> list:
 ARCHS = {"llama": _llama}
 
 
-def register() -> list[str]:
-    """Add our architectures to transformers' packed GGUF table; returns the ones added."""
+def register(patches) -> list[str]:
+    """Add our architectures to transformers' packed GGUF table through `patches` (a `PatchSet`);
+    returns the ones added."""
     from transformers.integrations.gguf import gguf_conversion_mapping
 
     added = [arch for arch in ARCHS if arch not in gguf_conversion_mapping.GGUF_ARCHS]
     for arch in added:
-        gguf_conversion_mapping.GGUF_ARCHS[arch] = ARCHS[arch]
+        patches.set_item(gguf_conversion_mapping.GGUF_ARCHS, arch, ARCHS[arch], label="GGUF_ARCHS")
     return added

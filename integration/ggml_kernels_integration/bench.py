@@ -61,12 +61,12 @@ def setup_transformers(kernels_on: bool) -> None:
     """Make this process load GGUF files with our kernels (`enable()`: packed weights) or with
     transformers alone (every weight dequantized to a dense tensor at load). Process-wide and final:
     call once, before the first `from_pretrained`."""
-    silence_kernel_mapping_warnings()
     if kernels_on:
         import ggml_kernels_integration as gk
 
-        gk.enable()
+        gk.enable(report_loads=False)
     else:
+        silence_kernel_mapping_warnings()
         os.environ.pop("LOCAL_KERNELS", None)
         from transformers.integrations.gguf import kernels as gguf_kernels
 
@@ -222,9 +222,10 @@ def time_prefill_and_decode(runner, vocab_size: int, prompt_tokens, decode_token
 def ggml_versions() -> dict:
     """The ggml version and CPU level (x64, haswell, skylakex, zen4) our kernels run; after `enable()`."""
     import kernels
-    import torch
 
-    quant = kernels.get_kernel("ggml-org/ggml-quantization", version=1, **({"backend": "cpu"} if torch.version.cuda else {}))
+    from . import locate
+
+    quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
     info = quant.info()
     return {"ggml": info["ggml"], "ggml_cpu_level": info["cpu_variant"]}
 

@@ -27,9 +27,6 @@ MIN_SPARE_POSITIONS = 128
 SPARE_FRACTION = 4  # spare positions: a quarter of those needed, at least MIN_SPARE_POSITIONS
 _BUFFERS = "_ggml_kernels_kv_buffers"  # a layer's {"keys" | "values": _Buffer}
 
-_state: dict = {}
-
-
 def _capacity(needed: int) -> int:
     return needed + max(MIN_SPARE_POSITIONS, needed // SPARE_FRACTION)
 
@@ -81,14 +78,10 @@ def _append(layer, name: str, current: torch.Tensor, new: torch.Tensor) -> torch
     return buf.view
 
 
-def install(write=None) -> None:
-    """Patch `DynamicLayer.update` for CPU tensors (idempotent). `write` is ggml-attn's `kv_write` op:
-    a decode step whose keys and values both fit their buffers appends both with one call (1.4 us
-    instead of ~3.8 for a narrow and a copy_ each)."""
-    if write is not None:
-        _state["write"] = write
-    if _state.get("installed"):
-        return
+def install(patches, write=None) -> None:
+    """Patch `DynamicLayer.update` for CPU tensors through `patches` (a `PatchSet`). `write` is
+    ggml-attn's `kv_write` op: a decode step whose keys and values both fit their buffers appends
+    both with one call (1.4 us instead of ~3.8 for a narrow and a copy_ each)."""
     from transformers.cache_utils import DynamicLayer
 
     original = DynamicLayer.update
@@ -99,7 +92,6 @@ def install(write=None) -> None:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         buffers = self.__dict__.get(_BUFFERS)
-        write = _state.get("write")
         if buffers is not None and write is not None:
             kb, vb = buffers.get("keys"), buffers.get("values")
             if kb is not None and vb is not None and self.keys is kb.view and self.values is vb.view:
@@ -122,5 +114,4 @@ def install(write=None) -> None:
         return self.keys, self.values
 
     update.__doc__ = original.__doc__
-    DynamicLayer.update = update
-    _state.update(installed=True, original=original)
+    patches.set_attr(DynamicLayer, "update", update)

@@ -24,7 +24,6 @@ import threading
 import numpy as np
 
 _local = threading.local()
-_state: dict = {}
 
 
 def _compact_array_parts(original):
@@ -64,15 +63,13 @@ def _compact_array_parts(original):
     return get_field_parts
 
 
-def install() -> None:
-    """Make `load_gguf_checkpoint(..., return_tensors=False)` read metadata arrays compactly (idempotent)."""
-    if _state.get("installed"):
-        return
+def install(patches) -> None:
+    """Make `load_gguf_checkpoint(..., return_tensors=False)` read metadata arrays compactly, through
+    `patches` (a `PatchSet`)."""
     from gguf import GGUFReader
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    original_parts = GGUFReader._get_field_parts
-    GGUFReader._get_field_parts = _compact_array_parts(original_parts)
+    patches.wrap(GGUFReader, "_get_field_parts", _compact_array_parts)
     original_load = gguf_utils.load_gguf_checkpoint
 
     def load_gguf_checkpoint(gguf_checkpoint_path, return_tensors=False, *args, **kwargs):
@@ -85,5 +82,4 @@ def install() -> None:
             _local.active = False
 
     load_gguf_checkpoint.__doc__ = original_load.__doc__
-    gguf_utils.load_gguf_checkpoint = load_gguf_checkpoint  # its callers import it when they call
-    _state.update(installed=True, original_parts=original_parts, original_load=original_load)
+    patches.set_attr(gguf_utils, "load_gguf_checkpoint", load_gguf_checkpoint)  # its callers import it when they call

@@ -39,9 +39,6 @@ SIBLINGS: dict[str, tuple[str, ...]] = {
 }
 GROUP_ATTR = "_ggml_kernels_projection_group"
 
-_state: dict = {}
-
-
 def _version(x: torch.Tensor) -> int | None:
     # inference tensors keep no version counter (asking raises, and an exception costs ~10 us)
     return None if x.is_inference() else x._version
@@ -52,9 +49,10 @@ class ProjectionGroup:
 
     What is kept lives per thread: two threads decoding with one model never see each other's."""
 
-    def __init__(self, members: list, max_rows: int):
+    def __init__(self, members: list, max_rows: int, mul_mat_group):
         self.members = members
         self.max_rows = max_rows
+        self.mul_mat_group = mul_mat_group  # ggml-quantization's op
         self.ggml_types = [m.ggml_type for m in members]
         self.out_features = [m.out_features for m in members]
         self._thread = threading.local()  # .kept: (source tensor, its version, {id(member): output})
@@ -76,7 +74,7 @@ class ProjectionGroup:
             return None
         # the members' current weights: `_parameters` directly, nn.Module's __getattr__ costs ~0.4 us each
         weights = [m._parameters["weight"] for m in self.members]
-        outs = _state["mul_mat_group"](weights, x, self.ggml_types, self.out_features)  # (..., N_i) each
+        outs = self.mul_mat_group(weights, x, self.ggml_types, self.out_features)  # (..., N_i) each
         if x.dtype != torch.float32:
             outs = [out.to(x.dtype) for out in outs]
         result, outputs = None, {}
@@ -90,8 +88,9 @@ class ProjectionGroup:
         return result
 
 
-def install(model) -> int:
-    """Give the `GgufLinear` siblings of every layer in `SIBLINGS` a shared group; returns how many groups."""
+def install(model, quant) -> int:
+    """Give the `GgufLinear` siblings of every layer in `SIBLINGS` a shared group computing with
+    `quant` (the ggml-quantization kernel); returns how many groups."""
     from transformers.integrations.gguf.kernels import MAX_GEMV_ROWS
     from transformers.integrations.gguf.utils import GgufLinear
 
@@ -107,26 +106,23 @@ def install(model) -> int:
             or any(m.bias is not None or m.input_permutation is not None for m in members)
         ):
             continue
-        group = ProjectionGroup(members, MAX_GEMV_ROWS)
+        group = ProjectionGroup(members, MAX_GEMV_ROWS, quant.ops.mul_mat_group.default)
         for m in members:
             m.__dict__[GROUP_ATTR] = group  # a plain attribute: not a submodule, not in the state dict
         groups += 1
     return groups
 
 
-def patch_forward(quant) -> None:
-    """Make `GgufLinear.forward` ask its group first (once per process), and run a CPU decode step of
-    an ungrouped module on the kernel op directly: the same op transformers' forward reaches through
-    three Python wrappers (its `mul_mat_vec`, the resolved kernel's, the package's)."""
+def patch_forward(patches, quant) -> None:
+    """Make `GgufLinear.forward` ask its group first, and run a CPU decode step of an ungrouped module
+    on the kernel op directly: the same op transformers' forward reaches through three Python
+    wrappers (its `mul_mat_vec`, the resolved kernel's, the package's). Through `patches` (a `PatchSet`)."""
     from transformers.integrations.gguf.kernels import MAX_GEMV_ROWS
     from transformers.integrations.gguf.utils import GgufLinear
 
-    if _state.get("patched"):
-        return
     original = GgufLinear.forward
     is_compiling = torch.compiler.is_compiling
     mul_mat_vec = quant.ops.mul_mat_vec.default
-    _state.update(quant=quant, original=original, mul_mat_group=quant.ops.mul_mat_group.default)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_compiling():
@@ -149,5 +145,4 @@ def patch_forward(quant) -> None:
             return mul_mat_vec(self._parameters["weight"], x, self.ggml_type, self.out_features)  # (..., N)
         return original(self, x)
 
-    GgufLinear.forward = forward
-    _state["patched"] = True
+    patches.set_attr(GgufLinear, "forward", forward)

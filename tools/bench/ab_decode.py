@@ -29,10 +29,10 @@ from pathlib import Path
 
 
 def _switch_kv_cache(model):
-    from ggml_kernels_integration import kv_cache
+    import ggml_kernels_integration as gk
     from transformers.cache_utils import DynamicLayer
 
-    ours, theirs = DynamicLayer.update, kv_cache._state["original"]
+    ours, theirs = DynamicLayer.update, gk.original(DynamicLayer, "update")
 
     def use(on: bool) -> None:
         DynamicLayer.update = ours if on else theirs
@@ -55,10 +55,11 @@ def _switch_rotary(model):
 
 
 def _switch_linear(model):
+    import ggml_kernels_integration as gk
     from ggml_kernels_integration import projection_groups
     from transformers.integrations.gguf.utils import GgufLinear
 
-    ours, theirs = GgufLinear.forward, projection_groups._state["original"]
+    ours, theirs = GgufLinear.forward, gk.original(GgufLinear, "forward")
     if not any(projection_groups.GROUP_ATTR in m.__dict__ for m in model.modules()):
         raise SystemExit("no projection groups were installed on this model")
 

@@ -18,7 +18,8 @@ import torch, transformers, gguf  # imported before the baseline is taken
 from transformers import modeling_gguf_pytorch_utils as utils
 if sys.argv[2] == "lean":
     from ggml_kernels_integration import lean_metadata
-    lean_metadata.install()
+    from ggml_kernels_integration.patching import PatchSet
+    lean_metadata.install(PatchSet())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 out = utils.load_gguf_checkpoint(sys.argv[1], return_tensors=False)

@@ -1,0 +1,93 @@
+"""Where the kernel builds are: Hub id -> a kernel folder that `kernels` can load.
+
+A kernel folder is what `kernels.get_local_kernel` takes: a folder holding variant folders
+(`torch213-cxx11-cpu-x86_64-linux/`, ...) directly or under `build/`, as a package of this repo
+after `nox -s build`, or a kernel repository downloaded from the Hub. Looked up, first found wins:
+
+1. `GGML_KERNELS_BUILDS`: entries separated by `os.pathsep`, each `<hub id>=<kernel folder>`, a
+   package folder with a `build.toml`, or a folder of such package folders (a checkout's `packages/`);
+2. `LOCAL_KERNELS` entries the user set for our Hub ids (kernels' own override, same form as 1's first);
+3. the `packages/` folder of the checkout this module lives in (an editable install).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import torch
+
+BUILDS_ENV = "GGML_KERNELS_BUILDS"
+QUANTIZATION = "ggml-org/ggml-quantization"
+# every package the integration can use; only ggml-quantization is required
+HUB_IDS = (QUANTIZATION, "ggml-org/ggml-norm", "ggml-org/ggml-attn", "ggml-org/ggml-gated-delta-net", "transformers-community/topk")
+CHECKOUT_PACKAGES = Path(__file__).resolve().parents[2] / "packages"
+
+
+def cpu_variant() -> str:
+    """The variant folder name of a CPU build for the running torch."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
+    return f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
+
+
+def backend_kwargs() -> dict:
+    """Our builds are CPU builds; on a CUDA build of torch, kernels must be told to take them."""
+    return {"backend": "cpu"} if torch.version.cuda else {}
+
+
+def variant_dir(kernel_folder: Path) -> Path | None:
+    """The CPU variant folder for this torch inside a kernel folder, or None."""
+    for candidate in (kernel_folder / cpu_variant(), kernel_folder / "build" / cpu_variant()):
+        if (candidate / "__init__.py").is_file():
+            return candidate
+    return None
+
+
+def _package_hub_id(folder: Path) -> str | None:
+    toml = folder / "build.toml"
+    if not toml.is_file():
+        return None
+    with open(toml, "rb") as f:
+        return tomllib.load(f).get("general", {}).get("hub", {}).get("repo-id")
+
+
+def _entries(value: str | None) -> dict[str, Path]:
+    """Hub id -> folder from one path-list variable (`id=path`, package folders, folders of packages)."""
+    found: dict[str, Path] = {}
+    for entry in filter(None, (value or "").split(os.pathsep)):
+        repo_id, sep, path = entry.partition("=")
+        if sep:
+            found.setdefault(repo_id, Path(path).expanduser())
+            continue
+        folder = Path(entry).expanduser()
+        for package in [folder, *sorted(p for p in folder.glob("*") if p.is_dir())]:
+            repo_id = _package_hub_id(package)
+            if repo_id:
+                found.setdefault(repo_id, package)
+    return found
+
+
+def builds() -> dict[str, Path]:
+    """Hub id -> kernel folder, for each of `HUB_IDS` that has a CPU build for this torch."""
+    sources = [
+        _entries(os.environ.get(BUILDS_ENV)),
+        _entries(os.environ.get("LOCAL_KERNELS")),
+        _entries(str(CHECKOUT_PACKAGES)),
+    ]
+    out = {}
+    for repo_id in HUB_IDS:
+        for source in sources:
+            folder = source.get(repo_id)
+            if folder is not None and variant_dir(folder) is not None:
+                out[repo_id] = folder
+                break
+    return out
+
+
+def not_found_message() -> str:
+    return (
+        f"no build of {QUANTIZATION} for {cpu_variant()} was found: set {BUILDS_ENV} to the kernel "
+        f"folders (or `<hub id>=<folder>` entries), or in a checkout run `nox -s build`"
+    )

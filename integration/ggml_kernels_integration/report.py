@@ -1,0 +1,120 @@
+"""What runs on our kernels in a loaded model, said once instead of one warning per layer.
+
+kernels' `kernelize` warns "No kernel mapping found for layer ..." for every layer class that has a
+Hub kernel somewhere but none in the mapping transformers passes it (114 lines for a Qwen3.5 file).
+`quiet_kernelize()` holds those back while transformers grafts the layers, and `summary(model)` /
+`describe(model)` say what runs where, in one message logged after each packed GGUF load.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+LOGGER = logging.getLogger("ggml_kernels_integration")
+KERNELIZE_LOGGER = "kernels.layer.layer"
+_NO_MAPPING = re.compile(r"No kernel mapping found for layer `([^`]+)`")
+
+
+class _HoldBackNoMapping(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: Counter = Counter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = _NO_MAPPING.search(record.getMessage())
+        if match:
+            self.layers[match.group(1)] += 1
+            return False
+        return True
+
+
+@contextmanager
+def quiet_kernelize():
+    """Drop kernels' per-layer "No kernel mapping" warnings inside the block; yields their counts."""
+    logger = logging.getLogger(KERNELIZE_LOGGER)
+    held = _HoldBackNoMapping()
+    logger.addFilter(held)
+    try:
+        yield held.layers
+    finally:
+        logger.removeFilter(held)
+
+
+@dataclass
+class Summary:
+    """What a model runs on: our kernels (by package) and transformers' own code (with the reason)."""
+
+    model: str
+    device: str
+    attention: str
+    packed: Counter = field(default_factory=Counter)  # module class (GgufLinear, ...) -> count
+    dense_linears: int = 0  # nn.Linear left dense (a type without a kernel, unpacked at load)
+    ours: Counter = field(default_factory=Counter)  # (layer name, hub id) -> count
+    theirs: Counter = field(default_factory=Counter)  # (layer name, reason) -> count
+
+
+def _kernel_layers(model):
+    """Every module or kernel function `kernelize` considers, once each, except those inside a module
+    whose forward our kernel replaced (that forward does their work; they never run)."""
+    seen, replaced = set(), []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in replaced):
+            continue
+        own = [module] if hasattr(type(module), "kernel_layer_name") else []
+        if own and _runs_kernel(module):
+            replaced.append(f"{name}.")
+            yield module
+            continue
+        for obj in own + list(getattr(module, "_kernel_funcs", {}).values()):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                yield obj
+
+
+def _runs_kernel(obj) -> bool:
+    forward = obj.__dict__.get("forward")
+    return forward is not None and getattr(forward, "__func__", None) is not type(obj).forward
+
+
+def summary(model, layer_kernels: dict[str, tuple[str, str]]) -> Summary:
+    """`layer_kernels`: kernel layer name -> (Hub id, layer class), what `enable()` maps."""
+    import torch
+
+    packed = Counter(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Gguf"))
+    dense = sum(type(m) is torch.nn.Linear for m in model.modules())
+    out = Summary(
+        model=type(model).__name__,
+        device=str(getattr(model, "device", "cpu")),
+        attention=str(getattr(model.config, "_attn_implementation", None)),
+        packed=packed,
+        dense_linears=dense,
+    )
+    for obj in _kernel_layers(model):
+        name = type(obj).kernel_layer_name
+        if _runs_kernel(obj):
+            out.ours[(name, layer_kernels.get(name, ("?", ""))[0])] += 1
+        elif name in layer_kernels:
+            out.theirs[(name, f"{layer_kernels[name][0]} is not built for this torch")] += 1
+        else:
+            out.theirs[(name, "no ggml kernel for this layer")] += 1
+    return out
+
+
+def describe(s: Summary) -> str:
+    packed = ", ".join(f"{n} x{c}" for n, c in sorted(s.packed.items())) or "none"
+    ours = ", ".join(f"{name} x{c} ({repo})" for (name, repo), c in sorted(s.ours.items())) or "none"
+    lines = [
+        f"ggml-kernels: {s.model} on {s.device}",
+        f"  on our kernels: packed weights ({packed}) via ggml-org/ggml-quantization; attention: {s.attention}",
+        f"  layer kernels: {ours}",
+    ]
+    theirs = [f"{name} x{c} ({why})" for (name, why), c in sorted(s.theirs.items())]
+    if s.dense_linears:
+        theirs.append(f"nn.Linear x{s.dense_linears} (dense: a float weight in the file, or a storage type without a kernel)")
+    if theirs:
+        lines.append("  transformers' own code: " + ", ".join(theirs))
+    return "\n".join(lines)
