@@ -4,10 +4,13 @@ process, exports what `__all__` promises, carries valid metadata, and passes ker
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tools.testing.kernel_testing import backend_kwargs, fresh_process, hub_ids, local_kernels_env
@@ -52,6 +55,39 @@ def test_build_layout_and_metadata(repo_id):
             assert (d / name).exists(), name
         for level in LEVELS:
             assert (d / f"libggml-kernels-cpu-{level}.so").exists(), level
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_every_variant_carries_the_license(repo_id):
+    """The binaries contain ggml: each variant ships the MIT licence with ggml's notice beside ours."""
+    dirs = variant_dirs(PACKAGES[repo_id])
+    assert dirs, f"{repo_id} has no build"
+    for d in dirs:
+        text = (d / "LICENSE").read_text()
+        assert "Copyright (c) 2026 ggml-kernels contributors" in text, d.name
+        assert "Copyright (c) 2023-2026 The ggml authors" in text, d.name
+        assert json.loads((d / "metadata.json").read_text())["license"] == "MIT", d.name
+
+
+def _exports(module: Path) -> list[str]:
+    """A module's `__all__`, read from its source (no build needed)."""
+    for node in ast.parse(module.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if getattr(target, "id", None) == "__all__":
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{module} has no __all__")
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_card_names_the_hub_id_and_every_export(repo_id):
+    """CARD.md (the package's card on the Hub) loads the right id and lists every public name."""
+    pkg = PACKAGES[repo_id]
+    card = (pkg / "CARD.md").read_text()
+    assert card.startswith("---\nlibrary_name: kernels\nlicense: mit\n"), "front matter"
+    assert f'get_kernel("{repo_id}", version=1)' in card
+    (py,) = (pkg / "torch-ext").glob("*/__init__.py")
+    names = _exports(py) + _exports(py.with_name("layers.py"))
+    assert [n for n in names if not re.search(rf"\b{re.escape(n)}\b", card)] == []
 
 
 @pytest.mark.parametrize("repo_id", sorted(PACKAGES))

@@ -8,6 +8,7 @@ out the variant folder that `kernels` loads:
     __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
     _ggml_runtime.py (common/python: Python glue every package shares)
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
+    LICENSE (the repo's: MIT, with ggml's notice, since the binaries contain ggml)
 
     python -m tools.build                      # every package
     python -m tools.build ggml-quantization    # one package
@@ -31,6 +32,7 @@ from . import ggml_runtime, upstream
 from . import ninja_build as ninja
 
 COMMON = REPO / "common"
+LICENSE = REPO / "LICENSE"
 COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]
 CXXFLAGS = [
     # -fopenmp: at::parallel_for is inline and uses OpenMP pragmas; without it, it runs serially.
@@ -133,14 +135,14 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
 
 def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_id: str, general: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json"}
+    wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json", LICENSE.name}
     wanted |= {p.name for p in (COMMON / "python").glob("*.py")}
     for f in sorted(py_src.rglob("*.py")):
         rel = f.relative_to(py_src)
         wanted.add(rel.parts[0])
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         _copy_if_changed(f, out / rel)
-    for f in [so, *runtime_libs]:
+    for f in [so, *runtime_libs, LICENSE]:
         _copy_if_changed(f, out / f.name)
     for stale in out.iterdir():  # an older extension id, a removed module, a dropped CPU level
         if stale.name not in wanted:
