@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tools.testing.kernel_testing import backend_kwargs, fresh_process, hub_ids, local_kernels_env
+from tools.testing.kernel_testing import CPU_LEVELS, backend_kwargs, fresh_process, hub_ids, local_kernels_env
 
 PACKAGES = hub_ids()
-LEVELS = ["x64", "haswell", "skylakex", "zen4"]
 
 
 def variant_dirs(path):
@@ -53,7 +52,7 @@ def test_build_layout_and_metadata(repo_id):
         assert len(ext) == 1 and (d / "_ops.py").read_text().count(meta["id"]) >= 2
         for name in ("__init__.py", "layers.py", "reference.py"):
             assert (d / name).exists(), name
-        for level in LEVELS:
+        for level in CPU_LEVELS:
             assert (d / f"libggml-kernels-cpu-{level}.so").exists(), level
 
 

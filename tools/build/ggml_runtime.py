@@ -25,12 +25,13 @@ from . import upstream
 
 COMMON = REPO / "common"
 
-# name -> (compiler flags, ggml feature defines). Keep the names and the CPU features they need in
-# sync with kVariants in common/ggml_runtime.cpp (best first there).
+# The CPU levels, baseline first: name -> (compiler flags, ggml feature defines). The one Python list
+# of them (tests take theirs from here); kVariants in common/ggml_runtime.cpp, which picks the best
+# one the CPU supports at load time, lists the same names best first (tests/test_shared_facts.py).
 _HASWELL = ["-msse4.2", "-mavx", "-mf16c", "-mfma", "-mbmi2", "-mavx2"]
 _HASWELL_DEF = ["GGML_SSE42", "GGML_AVX", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX2"]
 _AVX512 = ["-mavx512f", "-mavx512cd", "-mavx512vl", "-mavx512dq", "-mavx512bw"]
-VARIANTS: dict[str, tuple[list[str], list[str]]] = {
+CPU_LEVELS: dict[str, tuple[list[str], list[str]]] = {
     "x64": ([], []),
     "haswell": (_HASWELL, _HASWELL_DEF),
     "skylakex": (_HASWELL + _AVX512, _HASWELL_DEF + ["GGML_AVX512"]),
@@ -39,6 +40,9 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
         _HASWELL_DEF + ["GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"],
     ),
 }
+# The /proc/cpuinfo flag of the newest instructions each level above the baseline needs: where it is
+# missing, the loader refuses that level (tests skip forcing it there).
+CPUINFO_FLAG = {"haswell": "avx2", "skylakex": "avx512bw", "zen4": "avx512_bf16"}
 
 BASE_SOURCES = [
     "ggml.c", "ggml.cpp", "ggml-alloc.c", "ggml-backend.cpp", "ggml-backend-meta.cpp", "ggml-opt.cpp",
@@ -62,12 +66,12 @@ LIB_PREFIX = "libggml-kernels-cpu-"
 
 
 def selected_variants() -> list[str]:
-    """All variants, or GGML_KERNELS_CPU_VARIANTS=zen4,x64 to build fewer while developing."""
+    """All CPU levels, or GGML_KERNELS_CPU_VARIANTS=zen4,x64 to build fewer while developing."""
     env = os.environ.get("GGML_KERNELS_CPU_VARIANTS")
-    names = [v.strip() for v in env.split(",")] if env else list(VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
+    names = [v.strip() for v in env.split(",")] if env else list(CPU_LEVELS)
+    unknown = [n for n in names if n not in CPU_LEVELS]
     if unknown:
-        raise ValueError(f"unknown CPU variants {unknown}; known: {list(VARIANTS)}")
+        raise ValueError(f"unknown CPU variants {unknown}; known: {list(CPU_LEVELS)}")
     return names
 
 
@@ -115,7 +119,7 @@ def build(jobs: int | None = None) -> Path:
     ]
     libs = []
     for name in selected_variants():
-        flags, feature_defs = VARIANTS[name]
+        flags, feature_defs = CPU_LEVELS[name]
         cpu_objs = compile_all(
             CPU_SOURCES, name, COMMON_FLAGS + flags + defs + [f"-D{d}" for d in feature_defs] + includes
         )

@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 from tools import REPO
+from tools.build import ggml_runtime
 
 
 def hub_ids() -> dict[str, Path]:
@@ -57,8 +58,7 @@ def variant_dir(package: str) -> Path:
     return path
 
 
-CPU_LEVELS = ("x64", "haswell", "skylakex", "zen4")
-_LEVEL_FLAG = {"haswell": "avx2", "skylakex": "avx512bw", "zen4": "avx512_bf16"}  # /proc/cpuinfo
+CPU_LEVELS = tuple(ggml_runtime.CPU_LEVELS)  # x64 (baseline), haswell, skylakex, zen4
 
 
 def cpu_has_level(level: str) -> bool:
@@ -66,7 +66,7 @@ def cpu_has_level(level: str) -> bool:
     if level == "x64":
         return True
     with open("/proc/cpuinfo") as f:
-        return _LEVEL_FLAG[level] in f.read()
+        return ggml_runtime.CPUINFO_FLAG[level] in f.read()
 
 
 def fresh_process(code: str, env: dict | None = None):
@@ -93,7 +93,7 @@ def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | 
     import pytest
 
     if level is not None and not cpu_has_level(level):
-        pytest.skip(f"this CPU has no {_LEVEL_FLAG[level]}")
+        pytest.skip(f"this CPU has no {ggml_runtime.CPUINFO_FLAG[level]}")
     path = hub_ids()[repo_id]
     load = {
         "get_kernel": f"k = kernels.get_kernel({repo_id!r}, version=1, **{backend_kwargs()!r})",
