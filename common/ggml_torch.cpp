@@ -1,10 +1,12 @@
 #include "ggml_torch.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <utility>
 
 namespace ggml_kernels {
 
@@ -74,6 +76,42 @@ void check_indices(const at::Tensor& idx, int64_t limit, const char* name) {
   const int64_t mn = lo.item<int64_t>(), mx = hi.item<int64_t>();
   TORCH_CHECK_INDEX(mn >= 0 && mx < limit, name, " out of range: values must lie in [0, ", limit,
                     "), got min ", mn, ", max ", mx);
+}
+
+void check_no_internal_overlap(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "unsupported operation: ", name,
+              " is written in place but several of its elements share one memory location (strides ",
+              t.strides(), ", e.g. an expand()); clone() it first");
+}
+
+namespace {
+// [first byte, one past the last byte) of t's elements; empty for an empty tensor.
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (t.numel() == 0) return {begin, begin};
+  int64_t low = 0, high = 0;  // element offsets of the extreme elements
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const int64_t reach = (t.size(i) - 1) * t.stride(i);
+    (reach < 0 ? low : high) += reach;
+  }
+  const auto es = static_cast<int64_t>(t.element_size());
+  return {begin + low * es, begin + (high + 1) * es};
+}
+}  // namespace
+
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto [a0, a1] = byte_span(a);
+  const auto [b0, b1] = byte_span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& input,
+                      const char* input_name) {
+  const bool same_view = written.data_ptr() == input.data_ptr() && written.sizes() == input.sizes() &&
+                         written.strides() == input.strides() && written.dtype() == input.dtype();
+  TORCH_CHECK(same_view || !may_overlap(written, input), "unsupported operation: ", input_name,
+              " shares memory with ", written_name, ", which the op writes while reading it; clone() ",
+              input_name, " first");
 }
 
 std::string type_name(ggml_type type) {

@@ -30,6 +30,16 @@ int64_t packed_row_bytes(ggml_type type, int64_t cols);
 void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name);
 // Every value of an integer tensor lies in [0, limit); IndexError naming the first offender if not.
 void check_indices(const at::Tensor& idx, int64_t limit, const char* name);
+// For ops that write into `t` in place: no two of its elements share an address (an `expand`ed,
+// stride-0 tensor). RuntimeError naming it otherwise, as torch's own in-place ops refuse.
+void check_no_internal_overlap(const at::Tensor& t, const char* name);
+// Whether the memory spans of a and b (first to last byte, whatever the strides) meet. Cheap and
+// conservative: two strided tensors that interleave without sharing an element count as meeting.
+bool may_overlap(const at::Tensor& a, const at::Tensor& b);
+// For ops that write `written` while reading `input`: RuntimeError naming both unless they are apart
+// in memory (may_overlap is false) or the very same view, as torch's copy_ refuses a partial overlap.
+void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& input,
+                      const char* input_name);
 
 ggml_type ggml_type_of(at::ScalarType dtype);
 // GGUF's spelling of a type name ("Q4_K"; ggml itself says "q4_K").

@@ -26,3 +26,22 @@ def same_device(op: str, **tensors: torch.Tensor | None) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's C++ name of a dtype ("Float", "BFloat16"), as the kernels' messages spell it."""
+    try:
+        return torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    except (RuntimeError, TypeError):
+        return str(dtype).removeprefix("torch.")
+
+
+def check_dtype(t: torch.Tensor, allowed: tuple[torch.dtype, ...], name: str) -> None:
+    if t.dtype not in allowed:
+        want = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name} must have dtype {want}; got {dtype_name(t.dtype)}")
+
+
+def check_dim(t: torch.Tensor, dim: int, name: str) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {list(t.shape)}")

@@ -108,3 +108,29 @@ def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | 
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(row for row in proc.stdout.splitlines() if row.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
+
+
+def on_meta(x):
+    """x as a meta tensor with its strides (`.to("meta")` makes a strided tensor contiguous); anything
+    else as it is."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def assert_fake_refuses_as_cpu(fn, *args) -> None:
+    """fn(*args) on CPU tensors raises, and on the same arguments as meta tensors (the op's fake
+    implementation) raises the same exception type with the same first line of message."""
+
+    def refusal(call_args):
+        try:
+            fn(*call_args)
+        except (TypeError, ValueError, IndexError, RuntimeError) as e:
+            return type(e), str(e).splitlines()[0]
+        return None
+
+    cpu, meta = refusal(args), refusal([on_meta(a) for a in args])
+    assert cpu is not None, "the CPU op accepted it"
+    assert meta == cpu
