@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "ggml_torch.h"
 #include "torch_binding.h"
@@ -83,21 +84,8 @@ ggml_tensor* heads(Graph& g, const at::Tensor& t, int64_t bi, int64_t h0, int64_
                {t.size(3), t.size(2), h1 - h0, 1}, {es, static_cast<size_t>(t.stride(2)) * es, nb2, nb2 * static_cast<size_t>(h1 - h0)});
 }
 
-ggml_tensor* attention(Graph& g, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v, const at::Tensor& mask,
-                       float scale, float softcap, const at::Tensor& sinks) {
-  const auto& G = ggml();
-  ggml_tensor* out = G.ggml_flash_attn_ext(g.ctx(), q, k, v, mask.defined() ? g.view(mask) : nullptr, scale,
-                                           0.0f, softcap);
-  G.ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
-  if (sinks.defined()) G.ggml_flash_attn_ext_add_sinks(out, g.view(sinks));
-  return out;
-}
-
-}  // namespace
-
-at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& mask, bool causal, double scale,
-                          double softcap, const std::optional<at::Tensor>& sinks) {
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            double softcap) {
   check_cpu(q, "query");
   check_cpu(k, "key");
   check_cpu(v, "value");
@@ -108,11 +96,10 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
                    "query, key and value must share one dtype, got ", q.scalar_type(), ", ",
                    k.scalar_type(), ", ", v.scalar_type());
-  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3);
-  const int64_t hkv = k.size(1), skv = k.size(2), dv = v.size(3);
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(3), hkv = k.size(1), dv = v.size(3);
   TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "batch sizes differ: query ", b, ", key ",
                     k.size(0), ", value ", v.size(0));
-  TORCH_CHECK_VALUE(v.size(1) == hkv && v.size(2) == skv, "key ", k.sizes(), " and value ", v.sizes(),
+  TORCH_CHECK_VALUE(v.size(1) == hkv && v.size(2) == k.size(2), "key ", k.sizes(), " and value ", v.sizes(),
                     " must have the same heads and length");
   TORCH_CHECK_VALUE(hkv > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of key/value heads (",
                     hkv, ")");
@@ -121,82 +108,149 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
                     " is not supported (1..", kMaxHeadDim, ")");
   TORCH_CHECK_VALUE(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0,
                     "scale must be finite and softcap finite and >= 0");
-  at::Tensor sinks32;
-  if (sinks.has_value() && sinks->defined()) {
-    check_cpu(*sinks, "sinks");
-    check_dtype(*sinks, {at::kFloat, at::kHalf, at::kBFloat16}, "sinks");
-    TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq, "sinks must hold one value per query head (",
-                      hq, "), got shape ", sinks->sizes());
-    sinks32 = sinks->to(at::kFloat).contiguous();
+}
+
+// The sinks as float32 (one per query head), undefined when there are none.
+at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  check_cpu(*sinks, "sinks");
+  check_dtype(*sinks, {at::kFloat, at::kHalf, at::kBFloat16}, "sinks");
+  TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq, "sinks must hold one value per query head (",
+                    hq, "), got shape ", sinks->sizes());
+  return sinks->to(at::kFloat).contiguous();
+}
+
+// One flash_attn call: its inputs as ggml reads them (q float32, K/V rows dense, the additive f16
+// mask, float32 sinks) and its float32 output (B, Sq, Hq, Dv), which the graphs write in slices.
+// Each graph reads tensors that outlive it: these members, or a mask slice its caller holds.
+class AttentionCall {
+ public:
+  AttentionCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                bool causal, double scale, double softcap, at::Tensor sinks32)
+      : b_(q.size(0)), hq_(q.size(1)), sq_(q.size(2)), d_(q.size(3)), hkv_(k.size(1)), skv_(k.size(2)),
+        dv_(v.size(3)),
+        scale_(scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(d_)) : static_cast<float>(scale)),
+        softcap_(static_cast<float>(softcap)),
+        // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
+        q32_(q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous() : q.stride(3) == 1 ? q : q.contiguous()),
+        k_(k.stride(3) == 1 ? k : k.contiguous()),
+        v_(v.stride(3) == 1 ? v : v.contiguous()),
+        mask_(additive_mask(mask, causal, b_, hq_, sq_, skv_)),
+        sinks32_(std::move(sinks32)),
+        out_(at::empty({b_, sq_, hq_, dv_}, q.options().dtype(at::kFloat))) {}
+
+  // The float32 result (B, Sq, Hq, Dv).
+  at::Tensor run() {
+    if (out_.numel() == 0) return out_;
+    if (skv_ == 0) return out_.zero_();  // nothing to attend to
+    if (sq_ > 1) {
+      prefill();
+    } else {
+      decode();
+    }
+    return out_;
   }
 
-  auto out = at::empty({b, sq, hq, dv}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return out.to(q.scalar_type());
-  if (skv == 0) return out.zero_().to(q.scalar_type());  // nothing to attend to
+ private:
+  // Rows [i0, i0 + n) of batch entry bi's mask, contiguous as ggml needs it (a copy when the mask
+  // has several heads and the rows are a slice): the caller holds it until its graph has run.
+  at::Tensor mask_rows(int64_t bi, int64_t i0, int64_t n) const {
+    if (!mask_.defined()) return mask_;
+    return mask_.select(0, mask_.size(0) == 1 ? 0 : bi).narrow(1, i0, n).unsqueeze(0).contiguous();
+  }
 
-  const float s = scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(d)) : static_cast<float>(scale);
-  const float cap = static_cast<float>(softcap);
-  // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
-  const at::Tensor q32 = q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous() : q.stride(3) == 1 ? q : q.contiguous();
-  const at::Tensor kk = k.stride(3) == 1 ? k : k.contiguous();
-  const at::Tensor vv = v.stride(3) == 1 ? v : v.contiguous();
-  const at::Tensor m = additive_mask(mask, causal, b, hq, sq, skv);
-  auto mask_rows = [&](int64_t bi, int64_t i0, int64_t n) {
-    if (!m.defined()) return m;
-    return m.select(0, m.size(0) == 1 ? 0 : bi).narrow(1, i0, n).unsqueeze(0).contiguous();
-  };
+  ggml_tensor* attention(Graph& g, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v, const at::Tensor& mask,
+                         const at::Tensor& sinks) const {
+    const auto& G = ggml();
+    ggml_tensor* out = G.ggml_flash_attn_ext(g.ctx(), q, k, v, mask.defined() ? g.view(mask) : nullptr, scale_, 0.0f,
+                                             softcap_);
+    G.ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+    if (sinks.defined()) G.ggml_flash_attn_ext_add_sinks(out, g.view(sinks));
+    return out;
+  }
 
-  if (sq > 1) {  // prefill: query rows of each batch entry over torch's threads
-    const int64_t work_per_row = hq * skv * std::max(d, dv);
+  // Query rows of each batch entry over torch's threads, slices aligned to ggml's query tiles.
+  void prefill() {
+    const int64_t work_per_row = hq_ * skv_ * std::max(d_, dv_);
     const int64_t min_rows = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, work_per_row));
-    for (int64_t bi = 0; bi < b; ++bi) {
-      parallel_chunks(sq, min_rows, sq >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t bi = 0; bi < b_; ++bi) {
+      parallel_chunks(sq_, min_rows, sq_ >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
         Graph g(16);
-        ggml_tensor* r = attention(g, g.view(q32.select(0, bi).narrow(1, i0, i1 - i0)), g.view(kk, bi),
-                                   g.view(vv, bi), mask_rows(bi, i0, i1 - i0), s, cap, sinks32);
-        g.compute(r, out.select(0, bi).narrow(0, i0, i1 - i0));
+        const at::Tensor mask = mask_rows(bi, i0, i1 - i0);
+        ggml_tensor* r = attention(g, g.view(q32_.select(0, bi).narrow(1, i0, i1 - i0)), g.view(k_, bi), g.view(v_, bi),
+                                   mask, sinks32_);
+        g.compute(r, out_.select(0, bi).narrow(0, i0, i1 - i0));
       });
     }
-  } else {  // decode: one graph per batch entry
+  }
+
+  // One query row per batch entry: split by KV heads, by batch entries, or by keys (ggml's pool).
+  void decode() {
     const int64_t threads = at::get_num_threads();
-    auto one = [&](int64_t bi, int n_threads) {
-      Graph g(16);
-      ggml_tensor* r = attention(g, g.view(q32, bi), g.view(kk, bi), g.view(vv, bi), mask_rows(bi, 0, 1), s, cap,
-                                 sinks32);
-      g.compute(r, out, bi, n_threads);
-    };
-    const int64_t parts = std::min(threads, hkv);
-    const bool split_heads = b == 1 && parts > 1 && !m.defined() && hq * skv * std::max(d, dv) >= kSplitHeadsMinWork &&
-                             (skv < kSplitKvMin || (hkv % parts == 0 && skv <= kSplitHeadsMaxKeys));
+    const int64_t parts = std::min(threads, hkv_);
+    const bool split_heads = b_ == 1 && parts > 1 && !mask_.defined() &&
+                             hq_ * skv_ * std::max(d_, dv_) >= kSplitHeadsMinWork &&
+                             (skv_ < kSplitKvMin || (hkv_ % parts == 0 && skv_ <= kSplitHeadsMaxKeys));
     if (split_heads) {
-      // KV heads (and the query heads reading them) over the threads; out (1, 1, Hq, Dv)
-      const int64_t gqa = hq / hkv;
-      const size_t es = sizeof(float);
-      at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t h0 = hkv * t / parts, h1 = hkv * (t + 1) / parts, q0 = h0 * gqa, nq = (h1 - h0) * gqa;
-          Graph g(16);
-          ggml_tensor* r = attention(g, heads(g, q32, 0, q0, q0 + nq), heads(g, kk, 0, h0, h1), heads(g, vv, 0, h0, h1),
-                                     m, s, cap, sinks32.defined() ? sinks32.narrow(0, q0, nq) : sinks32);
-          const size_t row = static_cast<size_t>(dv) * es * static_cast<size_t>(nq);
-          g.compute(r, out.data_ptr<float>() + q0 * dv, {es, static_cast<size_t>(dv) * es, row, row});
-        }
-      });
-    } else if (b >= threads || threads == 1) {
-      parallel_chunks(b, 1, 1, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t bi = b0; bi < b1; ++bi) one(bi, 1);
+      decode_split_heads(parts);
+    } else if (b_ >= threads || threads == 1) {
+      parallel_chunks(b_, 1, 1, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t bi = b0; bi < b1; ++bi) decode_entry(bi, 1);
       });
     } else {
-      for (int64_t bi = 0; bi < b; ++bi) one(bi, skv >= kSplitKvMin ? static_cast<int>(threads) : 1);
-      if (m.defined() && skv >= kSplitKvMin) {
-        // ggml's split-KV reduction divides by the softmax sum without a zero guard: a query whose
-        // keys are all masked must read zeros (as on every other path), not NaN.
-        at::Tensor dead = (m == -std::numeric_limits<float>::infinity()).all(-1);  // (Bm, Hm, 1)
-        dead = dead.expand({b, hq, 1}).permute({0, 2, 1}).unsqueeze(-1);          // (B, 1, Hq, 1)
-        if (dead.any().item<bool>()) out.masked_fill_(dead, 0.0f);
-      }
+      for (int64_t bi = 0; bi < b_; ++bi) decode_entry(bi, skv_ >= kSplitKvMin ? static_cast<int>(threads) : 1);
+      if (skv_ >= kSplitKvMin) zero_fully_masked_rows();
     }
   }
+
+  void decode_entry(int64_t bi, int n_threads) {
+    Graph g(16);
+    const at::Tensor mask = mask_rows(bi, 0, 1);
+    ggml_tensor* r = attention(g, g.view(q32_, bi), g.view(k_, bi), g.view(v_, bi), mask, sinks32_);
+    g.compute(r, out_, bi, n_threads);
+  }
+
+  // A single sequence's KV heads (and the query heads reading them) over the threads, one graph
+  // each; out (1, 1, Hq, Dv).
+  void decode_split_heads(int64_t parts) {
+    const int64_t gqa = hq_ / hkv_;
+    const size_t es = sizeof(float);
+    at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t h0 = hkv_ * t / parts, h1 = hkv_ * (t + 1) / parts, q0 = h0 * gqa, nq = (h1 - h0) * gqa;
+        Graph g(16);
+        const at::Tensor sinks = sinks32_.defined() ? sinks32_.narrow(0, q0, nq) : sinks32_;
+        ggml_tensor* r = attention(g, heads(g, q32_, 0, q0, q0 + nq), heads(g, k_, 0, h0, h1), heads(g, v_, 0, h0, h1),
+                                   mask_, sinks);
+        const size_t row = static_cast<size_t>(dv_) * es * static_cast<size_t>(nq);
+        g.compute(r, out_.data_ptr<float>() + q0 * dv_, {es, static_cast<size_t>(dv_) * es, row, row});
+      }
+    });
+  }
+
+  // ggml's split-KV reduction divides by the softmax sum without a zero guard: a query whose keys
+  // are all masked must read zeros (as on every other path), not NaN.
+  void zero_fully_masked_rows() {
+    if (!mask_.defined()) return;
+    at::Tensor dead = (mask_ == -std::numeric_limits<float>::infinity()).all(-1);  // (Bm, Hm, 1)
+    dead = dead.expand({b_, hq_, 1}).permute({0, 2, 1}).unsqueeze(-1);             // (B, 1, Hq, 1)
+    if (dead.any().item<bool>()) out_.masked_fill_(dead, 0.0f);
+  }
+
+  const int64_t b_, hq_, sq_, d_, hkv_, skv_, dv_;
+  const float scale_, softcap_;
+  const at::Tensor q32_, k_, v_, mask_, sinks32_;
+  at::Tensor out_;
+};
+
+}  // namespace
+
+at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, bool causal, double scale,
+                          double softcap, const std::optional<at::Tensor>& sinks) {
+  check_attention_inputs(q, k, v, scale, softcap);
+  at::Tensor sinks32 = float32_sinks(sinks, q.size(1));
+  const at::Tensor out = AttentionCall(q, k, v, mask, causal, scale, softcap, std::move(sinks32)).run();
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
@@ -289,11 +343,20 @@ void check_cache_rows(const at::Tensor& buf, const at::Tensor& x, int64_t positi
     TORCH_CHECK_VALUE(i == buf.dim() - 2 || buf.size(i) == x.size(i), x_name, " ", x.sizes(), " does not fit ",
                       buf_name, " ", buf.sizes(), ": all dims but the rows must match");
   }
-  TORCH_CHECK_INDEX(position >= 0 && position + x.size(-2) <= buf.size(-2), "rows [", position, ", ",
-                    position + x.size(-2), ") of ", x_name, " do not fit in the ", buf.size(-2), " rows of ",
-                    buf_name);
+  const int64_t rows = x.size(-2), capacity = buf.size(-2);
+  // (as `position <= capacity - rows`: position + rows can overflow)
+  TORCH_CHECK_INDEX(position >= 0 && rows <= capacity && position <= capacity - rows, "position ", position, " + ",
+                    rows, " rows of ", x_name, " do not fit in the ", capacity, " rows of ", buf_name);
   TORCH_CHECK_VALUE(buf.stride(-1) == 1 || buf.size(-1) <= 1, buf_name, "'s last dim must be dense, got strides ",
                     buf.strides());
+  check_no_internal_overlap(buf, buf_name);
+}
+
+// x must not share memory with the rows of buf it is written to (a row copied after another row
+// overwrote it would be wrong), as torch's copy_ refuses. Only a buffer x lies in needs the view.
+void check_apart(const at::Tensor& buf, const at::Tensor& x, int64_t position, const char* rows_name,
+                 const char* x_name) {
+  if (may_overlap(buf, x)) check_no_overlap(buf.narrow(-2, position, x.size(-2)), rows_name, x, x_name);
 }
 
 // src (..., n, D) -> rows [row0, row0 + n) of dst (..., capacity, D); both with a dense last dim.
@@ -312,7 +375,7 @@ void copy_rows(const at::Tensor& dst, int64_t row0, const at::Tensor& src) {
       soff += idx * src.stride(j);
     }
     for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(dp + (doff + (row0 + r) * dst.stride(-2)) * es, sp + (soff + r * src.stride(-2)) * es,
+      std::memmove(dp + (doff + (row0 + r) * dst.stride(-2)) * es, sp + (soff + r * src.stride(-2)) * es,
                   static_cast<size_t>(d * es));
     }
   }
@@ -324,6 +387,8 @@ void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Te
                   int64_t position) {
   check_cache_rows(keys, k, position, "keys", "k");
   check_cache_rows(values, v, position, "values", "v");
+  check_apart(keys, k, position, "the rows of keys written", "k");
+  check_apart(values, v, position, "the rows of values written", "v");
   copy_rows(keys, position, k.stride(-1) == 1 ? k : k.contiguous());
   copy_rows(values, position, v.stride(-1) == 1 ? v : v.contiguous());
 }

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tools.testing.kernel_testing import run_fresh
+
 TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
 
 
@@ -95,6 +97,27 @@ def test_fully_masked_rows_are_zero(ga, sq, skv):
     assert rel_err(out, ref) < TOL[torch.float32]
     dead = ~mask.any(-1)  # (b, 1, sq)
     assert out.transpose(1, 2)[dead.squeeze(1)].abs().max().item() == 0.0
+
+
+def test_per_head_mask_over_several_query_tiles():
+    """A per-head mask (B, Hq > 1, Sq, Skv) with Sq >= 128 splits its query rows into slices whose
+    mask rows are a copy: the copy was freed before the graph read it (thousands of NaN, or garbage).
+    In a fresh process, as a use after free may crash."""
+    res = run_fresh("ggml-org/ggml-attn", """
+        import torch
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        q, kk, v = torch.randn(1, 4, 256, 64), torch.randn(1, 2, 256, 64), torch.randn(1, 2, 256, 64)
+        m = torch.rand(1, 4, 256, 256) > 0.3
+        m[..., 0] = True
+        out = k.flash_attn(q, kk, v, mask=m)
+        ref = k.reference.flash_attn(q, kk, v, mask=m)
+        sdpa = F.scaled_dot_product_attention(q, kk, v, attn_mask=m, enable_gqa=True)
+        res = {"nan": int(out.isnan().sum()), "vs_ref": float((out - ref).abs().max() / ref.abs().max()),
+               "vs_sdpa": float((out - sdpa).abs().max() / sdpa.abs().max())}
+    """)
+    assert res["nan"] == 0
+    assert res["vs_ref"] < TOL[torch.float32] and res["vs_sdpa"] < TOL[torch.float32]
 
 
 def test_causal_combined_with_mask(ga):
@@ -252,3 +275,55 @@ def test_kv_write_under_torch_compile(ga):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(keys, keys2, rtol=0, atol=0)
     torch.testing.assert_close(values, values2, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite inputs (README "Semantics"): SDPA's results, but for one case
+
+
+def _one_infinite_key(b, hq, hkv, sq, skv, d, keys=1):
+    """q/k/v whose logits are +inf at `keys` key(s) from j = skv // 3 for every query."""
+    q, k, v = qkv(b, hq, hkv, sq, skv, d, seed=7)
+    q[..., 0] = q[..., 0].abs() + 0.1
+    k[:, :, skv // 3: skv // 3 + keys, 0] = float("inf")
+    return q, k, v
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 1, 1, 40, 64), (2, 4, 2, 5, 40, 64), (1, 2, 1, 1, 700, 64), (1, 2, 1, 130, 140, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_infinite_logits(ga, shape):
+    """A query whose logits hold +inf twice, or NaN, gets NaN as in SDPA and the reference. One +inf
+    logit: SDPA and the reference give NaN; ggml gives NaN on its split-KV and tiled paths and that
+    key's value row (the softmax's limit) on its row-by-row path, so each query row is one or the
+    other (which, depends on the shapes and the threads)."""
+    j = shape[4] // 3
+    for keys in (1, 2):
+        q, k, v = _one_infinite_key(*shape, keys=keys)
+        out, ref = ga.flash_attn(q, k, v), ga.reference.flash_attn(q, k, v)
+        sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert ref.isnan().all() and sdpa.isnan().all()
+        if keys == 2:
+            assert out.isnan().all()
+            continue
+        limit = v[:, :, j].repeat_interleave(shape[1] // shape[2], dim=1)[:, :, None].expand_as(out)
+        assert (out.isnan().all(-1) | (out == limit).all(-1)).all()
+    q, k, v = qkv(*shape)
+    q[0, 0, 0, 0] = float("nan")
+    out, sdpa = ga.flash_attn(q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out.isnan(), sdpa.isnan(), rtol=0, atol=0)
+    assert out[0, 0, 0].isnan().all() and out.isnan().sum() == shape[5]
+
+
+def test_infinite_values_as_sdpa(ga):
+    """+inf / NaN in V reach the outputs that weigh them, as in SDPA and the reference."""
+    q, k, v = qkv(1, 4, 2, 3, 40, 64)
+    v[0, 0, 5, 3], v[0, 1, 7, 9] = float("inf"), float("nan")
+    out = ga.flash_attn(q, k, v, causal=True)
+    sq, skv = 3, 40
+    visible = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    for want in (sdpa, ga.reference.flash_attn(q, k, v, causal=True)):
+        torch.testing.assert_close(out.isnan(), want.isnan(), rtol=0, atol=0)
+        torch.testing.assert_close(out.isinf(), want.isinf(), rtol=0, atol=0)
+        finite = out.isfinite()
+        assert rel_err(out[finite], want[finite]) < TOL[torch.float32]

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import layers, reference
+from . import _checks, layers, reference
+from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
@@ -26,10 +27,6 @@ __all__ = [
     "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward", "info", "kv_write",
     "layers", "reference", "supports_flash_attn",
 ]
-
-MAX_HEAD_DIM = 1024
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def supports_flash_attn(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether this build computes attention for this head dim and dtype (ggml-cpu takes any head
@@ -111,6 +108,7 @@ def apply_rotary(
 @torch.library.register_fake(add_op_namespace_prefix("rotary_half"))
 def _rotary_half_fake(q, k, cos, sin):
     same_device("rotary_half", q=q, k=k, cos=cos, sin=sin)
+    _checks.rotary_half(q, k, cos, sin)
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
@@ -124,9 +122,11 @@ def kv_write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch
 @torch.library.register_fake(add_op_namespace_prefix("kv_write"))
 def _kv_write_fake(keys, values, k, v, position):
     same_device("kv_write", keys=keys, values=values, k=k, v=v)
+    _checks.kv_write(keys, values, k, v, position)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("flash_attn"))
 def _flash_attn_fake(q, k, v, mask, causal, scale, softcap, sinks):
     same_device("flash_attn", q=q, k=k, v=v, mask=mask, sinks=sinks)
+    _checks.flash_attn(q, k, v, mask, scale, softcap, sinks)
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3]))

@@ -31,10 +31,10 @@ def flash_attn(q, k, v, mask=None, scale=None, causal=False, softcap=None, sinks
     if sinks is not None:  # one extra logit per head that takes probability mass but adds no value
         sink = sinks.to(compute_dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)
         logits = torch.cat([logits, sink], dim=-1)
-    peak = logits.amax(-1, keepdim=True).clamp_min(torch.finfo(compute_dtype).min)
-    weights = torch.exp(logits - peak)
-    total = weights.sum(-1, keepdim=True)
-    weights = torch.where(total > 0, weights / total, torch.zeros_like(weights))  # all masked -> 0
+    peak = logits.amax(-1, keepdim=True)
+    dead = peak == float("-inf")  # every key masked: zeros, not NaN
+    weights = torch.exp(logits - torch.where(dead, 0.0, peak))  # a +inf or NaN logit gives NaN, as in SDPA
+    weights = torch.where(dead, 0.0, weights / weights.sum(-1, keepdim=True))
     if sinks is not None:
         weights = weights[..., :-1]
     return (weights @ vf).to(q.dtype)
