@@ -131,15 +131,16 @@ void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off, int
 
 namespace {
 
-// Both entry points. in_place: the final state overwrites `state` (which must be in ggml's layout,
-// see below) instead of going to a new tensor, saving a state-sized write and the caller's copy
-// into its cache (decode reads and writes the whole 1 MiB state of a Qwen3.5-0.8B layer per token).
-std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, const at::Tensor& k,
-                                                        const at::Tensor& v, const at::Tensor& g,
-                                                        const at::Tensor& beta,
-                                                        const std::optional<at::Tensor>& state,
-                                                        bool l2_normalize_qk, std::optional<double> scale,
-                                                        bool in_place) {
+struct DeltaNetDims {
+  int64_t B, T, Hv, Hk, D;
+};
+
+// The rules of both entry points (in_place: the state is updated in place, so it must be in
+// ggml's layout and apart from every input); returns the dims.
+DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& g, const at::Tensor& beta,
+                                    const std::optional<at::Tensor>& state, std::optional<double> scale,
+                                    bool in_place) {
   check_float(q, "q");
   check_float(k, "k");
   check_float(v, "v");
@@ -150,7 +151,8 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, con
   check_dim(k, 4, "k (batch, tokens, key heads, head dim)");
   check_dim(v, 4, "v (batch, tokens, value heads, head dim)");
   TORCH_CHECK_VALUE(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(), ", got ", k.sizes());
-  const int64_t B = v.size(0), T = v.size(1), Hv = v.size(2), D = v.size(3), Hk = q.size(2);
+  const DeltaNetDims dims{v.size(0), v.size(1), v.size(2), q.size(2), v.size(3)};
+  const auto [B, T, Hv, Hk, D] = dims;
   TORCH_CHECK_VALUE(q.size(0) == B && q.size(1) == T, "q ", q.sizes(), " and v ", v.sizes(),
                     " must agree on batch and tokens (dims 0 and 1)");
   TORCH_CHECK_VALUE(q.size(3) == D, "key head dim ", q.size(3), " differs from value head dim ", D,
@@ -174,129 +176,187 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, con
                       "state must be (batch, value heads, key dim, value dim) = ",
                       shape_str({B, Hv, D, D}), ", got ", state->sizes());
   }
-  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
-  TORCH_CHECK_VALUE(std::isfinite(s), "scale must be finite, got ", s);
-
+  TORCH_CHECK_VALUE(!scale.has_value() || std::isfinite(*scale), "scale must be finite, got ", *scale);
   if (in_place) {
     TORCH_CHECK_VALUE(has_state && state->transpose(2, 3).is_contiguous(),
                       "gated_delta_net_ updates the state in place, so it must be in ggml's layout: a state "
                       "gated_delta_net returned (or a zeros_like of one), i.e. state.transpose(-1, -2) "
                       "contiguous; got strides ", state->strides());
+    for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}) {
+      check_no_overlap(*state, "state", *t, name);
+    }
   }
-  auto out = at::empty({B, T, Hv, D}, q.options());
-  // The final state is returned in ggml's memory layout: a (B, Hv, Dk, Dv) tensor over
-  // (B, Hv, Dv, Dk) memory. Passed back in as `state` it needs no transposition.
-  auto new_state_ggml = in_place ? state->transpose(2, 3) : at::empty({B, Hv, D, D}, q.options().dtype(at::kFloat));
-  auto new_state = new_state_ggml.transpose(2, 3);
-  if (B == 0 || Hv == 0) return {out, new_state};
-  if (T == 0) {
-    if (!in_place) has_state ? new_state.copy_(*state) : new_state.zero_();
-    return {out, new_state};
+  return dims;
+}
+
+// ggml_scale needs rows packed one after another (ggml_is_padded_1d), which a strided view of q
+// is not: such a view is copied first.
+ggml_tensor* scaled(Graph& g, ggml_tensor* t, float factor) {
+  const auto& G = ggml();
+  const bool packed = t->nb[0] == G.ggml_type_size(t->type) && t->nb[2] == t->nb[1] * static_cast<size_t>(t->ne[1]) &&
+                      t->nb[3] == t->nb[2] * static_cast<size_t>(t->ne[2]);
+  return G.ggml_scale(g.ctx(), packed ? t : G.ggml_cont(g.ctx(), t), factor);
+}
+
+// One gated_delta_net call: the inputs as the graphs read them, the output and the final state.
+// One graph per run of whole key groups [h0, h1) of sequence b (run_slice). The value heads go to
+// ggml's sequence dim (v {D, 1, T, hs}, q/k {D, 1, T, hs / r}), where ggml broadcasts q/k
+// interleaved (sequence i reads i / r): transformers' repeat_interleave. Any head range works when
+// r == 1. Slices are described to ggml by pointer and strides (Graph::raw): a decode step runs
+// several slices per thread and torch views would cost more than the small ggml ops around the kernel.
+class DeltaNetCall {
+ public:
+  // in_place: the final state overwrites `state` (in ggml's layout) instead of going to a new
+  // tensor, saving a state-sized write and the caller's copy into its cache (decode reads and
+  // writes the whole 1 MiB state of a Qwen3.5-0.8B layer per token).
+  DeltaNetCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+               const at::Tensor& beta, const std::optional<at::Tensor>& state, bool l2_normalize_qk,
+               std::optional<double> scale, bool in_place, const DeltaNetDims& dims)
+      : dims_(dims), r_(dims.Hv / dims.Hk), l2_normalize_qk_(l2_normalize_qk), in_place_(in_place),
+        has_state_(state.has_value() && state->defined()),
+        // The state in ggml's layout (B, Hv, Dv, Dk) contiguous: taken as it is when the caller's
+        // state already is (a state this op returned, or transformers' cache holding one), else
+        // transposed slice by slice.
+        state_is_ggml_(has_state_ && state->transpose(2, 3).is_contiguous()),
+        state_(has_state_ ? *state : at::Tensor()),
+        state_t_(has_state_ && !state_is_ggml_ ? state->contiguous() : at::Tensor()),
+        q_(dense_rows(q)), k_(dense_rows(k)), v_(dense_rows(v)),
+        // g and beta as float32 once for all slices (no copy when they already are).
+        g_(g.to(at::kFloat)), beta_(beta.to(at::kFloat)),
+        out_(at::empty({dims.B, dims.T, dims.Hv, dims.D}, q.options())),
+        // The final state is returned in ggml's memory layout: a (B, Hv, Dk, Dv) tensor over
+        // (B, Hv, Dv, Dk) memory. Passed back in as `state` it needs no transposition.
+        new_state_ggml_(in_place ? state->transpose(2, 3)
+                                 : at::empty({dims.B, dims.Hv, dims.D, dims.D}, q.options().dtype(at::kFloat))),
+        // A decode step (T == 1) reads a slice's g / beta ({1, 1, 1, hs}) and writes its float32
+        // output rows straight from / to the tensors; other shapes gather and scatter through torch.
+        gates_direct_(dims.T == 1 && g_.stride(2) == 1 && beta_.stride(2) == 1),
+        out_direct_(dims.T == 1 && out_.scalar_type() == at::kFloat && out_.is_contiguous()) {
+    // ggml's output is S^T q_in / sqrt(D): q_in = scale * sqrt(D) * q (scale D^-0.5 by default).
+    // With l2 normalisation, rms_norm(x, eps / D) = sqrt(D) * x / sqrt(sum(x^2) + eps) =
+    // sqrt(D) * l2norm(x, eps): q's sqrt(D) is already there and k's is divided out.
+    const double sqrt_d = std::sqrt(static_cast<double>(dims.D));
+    const double s = scale.has_value() ? *scale : 1.0 / sqrt_d;
+    q_mul_ = l2_normalize_qk ? s : s * sqrt_d;
+    k_mul_ = l2_normalize_qk ? 1.0 / sqrt_d : 1.0;
+    eps_d_ = static_cast<float>(1e-6 / static_cast<double>(dims.D));
   }
 
-  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
-  // The state in ggml's layout (B, Hv, Dv, Dk) contiguous: taken as it is when the caller's state
-  // already is (a state this op returned, or transformers' cache holding one), else transposed.
-  const bool state_is_ggml = has_state && state->transpose(2, 3).is_contiguous();
-  const at::Tensor st_ggml = state_is_ggml ? state->transpose(2, 3) : at::Tensor();
-  const at::Tensor st = has_state && !state_is_ggml ? state->contiguous() : at::Tensor();
-  const int64_t r = Hv / Hk;
-  const double sqrt_d = std::sqrt(static_cast<double>(D));
-  // ggml's output is S^T q_in / sqrt(D): q_in = scale * sqrt(D) * q. With l2 normalisation,
-  // rms_norm(x, eps / D) = sqrt(D) * x / sqrt(sum(x^2) + eps) = sqrt(D) * l2norm(x, eps).
-  const float eps_d = static_cast<float>(1e-6 / static_cast<double>(D));
-  const double q_mul = l2_normalize_qk ? s : s * sqrt_d;
-  float* new_state_mem = new_state_ggml.data_ptr<float>();
+  // (output (B, T, Hv, D), final state (B, Hv, Dk, Dv) in ggml's layout)
+  std::tuple<at::Tensor, at::Tensor> run() {
+    const auto [B, T, Hv, Hk, D] = dims_;
+    const at::Tensor new_state = new_state_ggml_.transpose(2, 3);
+    if (B == 0 || Hv == 0) return {out_, new_state};
+    if (T == 0) {
+      if (!in_place_) has_state_ ? new_state.copy_(state_) : new_state.zero_();
+      return {out_, new_state};
+    }
+    // ~4 D^2 flops per head and token; small heads (decode) are grouped so a slice is worth a graph
+    const int64_t per_head = T * D * D;
+    const int64_t min_heads = std::max<int64_t>(1, (int64_t{1} << 16) / per_head);
+    parallel_chunks(B * Hv, min_heads, r_, 2, [&](int64_t n0, int64_t n1) {
+      for (int64_t i = n0; i < n1;) {  // chunks are whole key groups (align r); split at sequences
+        const int64_t b = i / Hv, h0 = i % Hv;
+        const int64_t h1 = std::min(Hv, h0 + (n1 - i));
+        run_slice(b, h0, h1);
+        i += h1 - h0;
+      }
+    });
+    return {out_, new_state};
+  }
 
-  // g and beta as float32 once for all slices (no copy when they already are).
-  const at::Tensor gf = g.to(at::kFloat), bf = beta.to(at::kFloat);
-  // A decode step (T == 1) reads a slice's g / beta ({1, 1, 1, hs}) and writes its float32 output
-  // rows straight from / to the tensors; other shapes gather and scatter through torch.
-  const bool gates_direct = T == 1 && gf.stride(2) == 1 && bf.stride(2) == 1;
-  const bool out_direct = T == 1 && out.scalar_type() == at::kFloat && out.is_contiguous();
+ private:
+  // x (B, T, H, D)[b, :, h:h+nh, :] as ggml {D, 1, T, nh}: heads as sequences
+  ggml_tensor* heads_as_seqs(Graph& gr, const at::Tensor& x, int64_t b, int64_t h, int64_t nh) const {
+    const auto es = static_cast<size_t>(x.element_size());
+    const char* base = static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
+    return gr.raw(ggml_type_of(x.scalar_type()), base, {dims_.D, 1, dims_.T, nh},
+                  {es, static_cast<size_t>(dims_.D) * es, static_cast<size_t>(x.stride(1)) * es,
+                   static_cast<size_t>(x.stride(2)) * es});
+  }
 
-  // One graph per run of whole key groups [h0, h1) of sequence b. The value heads go to ggml's
-  // sequence dim (v {D, 1, T, hs}, q/k {D, 1, T, hs / r}), where ggml broadcasts q/k interleaved
-  // (sequence i reads i / r): transformers' repeat_interleave. Any head range works when r == 1.
-  // Slices are described to ggml by pointer and strides (Graph::raw): a decode step runs several
-  // slices per thread and torch views would cost more than the small ggml ops around the kernel.
-  auto run_slice = [&](int64_t b, int64_t h0, int64_t h1) {
+  // q or k of key heads [kh, kh + nkh) as float32, L2-normalised and scaled as ggml must read them.
+  ggml_tensor* query_or_key(Graph& gr, const at::Tensor& x, int64_t b, int64_t kh, int64_t nkh, double mul) const {
     const auto& G = ggml();
-    const int64_t hs = h1 - h0, khs = hs / r;
-    Graph gr(24);
-    ggml_context* ctx = gr.ctx();
-    // x (B, T, H, D)[b, :, h:h+nh, :] as ggml {D, 1, T, nh}: heads as sequences
-    auto heads_as_seqs = [&](const at::Tensor& x, int64_t h, int64_t nh) {
-      const auto es = static_cast<size_t>(x.element_size());
-      const char* base = static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
-      return gr.raw(ggml_type_of(x.scalar_type()), base, {D, 1, T, nh},
-                    {es, static_cast<size_t>(D) * es, static_cast<size_t>(x.stride(1)) * es,
-                     static_cast<size_t>(x.stride(2)) * es});
-    };
-    ggml_tensor* tq = as_f32(gr, heads_as_seqs(qd, h0 / r, khs));
-    ggml_tensor* tk = as_f32(gr, heads_as_seqs(kd, h0 / r, khs));
-    ggml_tensor* tv = as_f32(gr, heads_as_seqs(vd, h0, hs));
-    if (l2_normalize_qk) {
-      tq = G.ggml_scale(ctx, G.ggml_rms_norm(ctx, tq, eps_d), static_cast<float>(q_mul));
-      tk = G.ggml_scale(ctx, G.ggml_rms_norm(ctx, tk, eps_d), static_cast<float>(1.0 / sqrt_d));
-    } else if (std::abs(q_mul - 1.0) > 1e-12) {
-      tq = G.ggml_scale(ctx, tq, static_cast<float>(q_mul));
+    ggml_tensor* t = as_f32(gr, heads_as_seqs(gr, x, b, kh, nkh));
+    if (l2_normalize_qk_) return G.ggml_scale(gr.ctx(), G.ggml_rms_norm(gr.ctx(), t, eps_d_), static_cast<float>(mul));
+    return std::abs(mul - 1.0) > 1e-12 ? scaled(gr, t, static_cast<float>(mul)) : t;
+  }
+
+  // g or beta of value heads [h0, h0 + hs) as ggml's {1, 1, T, hs}: read in place (decode) or
+  // gathered into `keep`, which the caller holds until the graph has run.
+  ggml_tensor* per_seq(Graph& gr, const at::Tensor& x, int64_t b, int64_t h0, int64_t hs, at::Tensor& keep) const {
+    if (gates_direct_) {
+      return gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0, {1, 1, 1, hs}, {4, 4, 4, 4});
     }
-    // g, beta: {1, 1, T, hs} contiguous
-    at::Tensor gathered[2];  // the gathered copies must outlive the graph
-    auto per_seq = [&](const at::Tensor& x, at::Tensor& keep) -> ggml_tensor* {
-      if (gates_direct) {
-        return gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0, {1, 1, 1, hs},
-                      {4, 4, 4, 4});
-      }
-      keep = x.select(0, b).narrow(1, h0, hs).t().contiguous().view({hs, T, 1, 1});
-      return gr.view(keep);
-    };
-    ggml_tensor* tg = per_seq(gf, gathered[0]);
-    ggml_tensor* tb = per_seq(bf, gathered[1]);
-    // state: {D, D, 1, hs} contiguous, ggml's layout
-    ggml_tensor* ts;
-    at::Tensor s0;  // a transposed copy of the caller's state, alive until the graph has run
-    if (state_is_ggml) {
+    keep = x.select(0, b).narrow(1, h0, hs).t().contiguous().view({hs, dims_.T, 1, 1});
+    return gr.view(keep);
+  }
+
+  // The input state of value heads [h0, h0 + hs) as ggml's {D, D, 1, hs} (its layout): read in
+  // place, or transposed (zeros without a state) into `keep`, held by the caller.
+  ggml_tensor* state_in(Graph& gr, int64_t b, int64_t h0, int64_t hs, at::Tensor& keep) const {
+    const int64_t D = dims_.D, first = (b * dims_.Hv + h0) * D * D;
+    if (state_is_ggml_) {
       const size_t block = static_cast<size_t>(D * D) * sizeof(float);
-      ts = gr.raw(GGML_TYPE_F32, st_ggml.data_ptr<float>() + (b * Hv + h0) * D * D, {D, D, 1, hs},
-                  {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
-    } else {
-      s0 = t_state.tensor(hs * D * D).view({hs, 1, D, D});
-      if (has_state) {
-        transpose_blocks(st.data_ptr<float>() + (b * Hv + h0) * D * D, D * D, s0.data_ptr<float>(), D * D, hs, D);
-      } else {
-        s0.zero_();
-      }
-      ts = gr.view(s0);
+      return gr.raw(GGML_TYPE_F32, state_.data_ptr<float>() + first, {D, D, 1, hs},
+                    {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
     }
-    ggml_tensor* y = G.ggml_gated_delta_net(ctx, tq, tk, tv, tg, tb, ts, 1);
+    keep = t_state.tensor(hs * D * D).view({hs, 1, D, D});
+    if (has_state_) {
+      transpose_blocks(state_t_.data_ptr<float>() + first, D * D, keep.data_ptr<float>(), D * D, hs, D);
+    } else {
+      keep.zero_();
+    }
+    return gr.view(keep);
+  }
+
+  // The graph of value heads [h0, h1) of sequence b, its run, and its results stored.
+  void run_slice(int64_t b, int64_t h0, int64_t h1) {
+    const int64_t hs = h1 - h0, khs = hs / r_, T = dims_.T, D = dims_.D;
+    Graph gr(24);
+    at::Tensor g_keep, beta_keep, state_keep;  // copies the graph reads: alive until it has run
+    ggml_tensor* y = ggml().ggml_gated_delta_net(
+        gr.ctx(), query_or_key(gr, q_, b, h0 / r_, khs, q_mul_), query_or_key(gr, k_, b, h0 / r_, khs, k_mul_),
+        as_f32(gr, heads_as_seqs(gr, v_, b, h0, hs)), per_seq(gr, g_, b, h0, hs, g_keep),
+        per_seq(gr, beta_, b, h0, hs, beta_keep), state_in(gr, b, h0, hs, state_keep), 1);
     // {D, hs * (T + D)}: the output (hs, T, D), then the final states (hs, D, D), ggml's layout
     const at::Tensor dst = t_dst.tensor(hs * (T + D) * D).view({hs * (T + D), D});
     gr.compute(y, dst);
-    const float* dst_mem = dst.data_ptr<float>();
-    if (out_direct) {  // out (B, 1, Hv, D): these heads' rows are hs * D consecutive floats
-      std::memcpy(out.data_ptr<float>() + (b * Hv + h0) * D, dst_mem, static_cast<size_t>(hs * D) * sizeof(float));
-    } else {
-      out.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
-    }
-    // in place: these heads' input state was read by the graph above and is not read again
-    std::memcpy(new_state_mem + (b * Hv + h0) * D * D, dst_mem + hs * T * D,
-                static_cast<size_t>(hs * D * D) * sizeof(float));
-  };
+    store_slice(dst, b, h0, hs);
+  }
 
-  // ~4 D^2 flops per head and token; small heads (decode) are grouped so a slice is worth a graph
-  const int64_t per_head = T * D * D;
-  const int64_t min_heads = std::max<int64_t>(1, (int64_t{1} << 16) / per_head);
-  parallel_chunks(B * Hv, min_heads, r, 2, [&](int64_t n0, int64_t n1) {
-    for (int64_t i = n0; i < n1;) {  // chunks are whole key groups (align r); split at sequences
-      const int64_t b = i / Hv, h0 = i % Hv;
-      const int64_t h1 = std::min(Hv, h0 + (n1 - i));
-      run_slice(b, h0, h1);
-      i += h1 - h0;
+  void store_slice(const at::Tensor& dst, int64_t b, int64_t h0, int64_t hs) {
+    const int64_t T = dims_.T, D = dims_.D, Hv = dims_.Hv;
+    const float* dst_mem = dst.data_ptr<float>();
+    if (out_direct_) {  // out (B, 1, Hv, D): these heads' rows are hs * D consecutive floats
+      std::memcpy(out_.data_ptr<float>() + (b * Hv + h0) * D, dst_mem, static_cast<size_t>(hs * D) * sizeof(float));
+    } else {
+      out_.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
     }
-  });
-  return {out, new_state};
+    // in place: these heads' input state was read by the graph and is not read again
+    std::memcpy(new_state_ggml_.data_ptr<float>() + (b * Hv + h0) * D * D, dst_mem + hs * T * D,
+                static_cast<size_t>(hs * D * D) * sizeof(float));
+  }
+
+  const DeltaNetDims dims_;
+  const int64_t r_;
+  const bool l2_normalize_qk_, in_place_, has_state_, state_is_ggml_;
+  const at::Tensor state_, state_t_, q_, k_, v_, g_, beta_;
+  at::Tensor out_, new_state_ggml_;
+  const bool gates_direct_, out_direct_;
+  double q_mul_ = 1.0, k_mul_ = 1.0;
+  float eps_d_ = 0.0f;
+};
+
+std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& g,
+                                                        const at::Tensor& beta,
+                                                        const std::optional<at::Tensor>& state,
+                                                        bool l2_normalize_qk, std::optional<double> scale,
+                                                        bool in_place) {
+  const DeltaNetDims dims = check_delta_net_inputs(q, k, v, g, beta, state, scale, in_place);
+  return DeltaNetCall(q, k, v, g, beta, state, l2_normalize_qk, scale, in_place, dims).run();
 }
 
 }  // namespace
@@ -318,15 +378,16 @@ at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k,
 
 namespace {
 
-// Both entry points. in_place: the new rolling state overwrites `state`. When the conv's whole
-// input, [last K - 1 state columns | x], is exactly the new state (W == K - 1 + T: a decode step
-// on transformers' K-wide cache), the state is rolled in place first and the conv reads it as it
-// is: no gathering, no new state tensor, no copy back into the cache.
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const at::Tensor& weight,
-                                                      const std::optional<at::Tensor>& state,
-                                                      const std::optional<at::Tensor>& bias,
-                                                      std::optional<c10::string_view> activation,
-                                                      bool in_place) {
+struct ConvDims {
+  int64_t B, C, T, K, W;  // W: the rolling state's width (K without a state)
+  bool silu;
+};
+
+// The rules of both entry points (in_place: the new rolling state overwrites `state`, which must
+// then be given, be float32 or x's dtype, and share no memory with the inputs); returns the dims.
+ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
+                           const std::optional<at::Tensor>& bias, std::optional<c10::string_view> activation,
+                           bool in_place) {
   check_float(x, "x");
   check_dim(x, 3, "x (batch, channels, tokens)");
   check_float(weight, "weight");
@@ -358,88 +419,140 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == C, "bias must be (channels,) = (", C,
                       ",), got ", bias->sizes());
   }
-  const int64_t W = has_state ? state->size(2) : K;
   if (in_place) {
     TORCH_CHECK_VALUE(has_state, "causal_conv1d_ updates a state in place: state must not be None");
     TORCH_CHECK_TYPE(state->scalar_type() == at::kFloat || state->scalar_type() == x.scalar_type(),
                      "state must be float32 or x's dtype (", x.scalar_type(), "), got ", state->scalar_type());
+    check_no_internal_overlap(*state, "state");
+    check_no_overlap(*state, "state", x, "x");
+    check_no_overlap(*state, "state", weight, "weight");
+    if (has_bias) check_no_overlap(*state, "state", *bias, "bias");
   }
-  const bool rolled = in_place && W == K - 1 + T && T > 0 && state->scalar_type() == at::kFloat &&
-                      state->is_contiguous();
+  return {B, C, T, K, has_state ? state->size(2) : K, silu};
+}
 
-  const at::Tensor w = weight.reshape({C, K}).to(at::kFloat).contiguous();
-  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+// One causal_conv1d call. ggml writes {C, T, B}: torch (B, T, C), returned as its (B, C, T)
+// transpose (what the layer transposes back). The conv's input for a block of channels, float32
+// {K - 1 + T, cs, B}, is gathered into a per-thread buffer: the last K - 1 state columns, then x.
+// Blocks are small (~256 KB of input) because ggml's loop walks all of a block's channels for every
+// token: one 2 KB-strided row per channel and token, which thrashes the TLB on a whole 6144-channel
+// prefill. Bias, SiLU and the cast to x's dtype then run once per thread's chunk, on rows of the
+// whole chunk (on a block's 16-32-wide rows SiLU costs more than the conv).
+//
+// in_place: when the conv's whole input, [last K - 1 state columns | x], is exactly the new state
+// (W == K - 1 + T: a decode step on transformers' K-wide cache), the state is rolled in place first
+// and the conv reads it as it is (`rolled_`): no gathering, no new state tensor, no copy back.
+class ConvCall {
+ public:
+  ConvCall(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
+           const std::optional<at::Tensor>& bias, bool in_place, const ConvDims& dims)
+      : dims_(dims), L_(dims.K - 1 + dims.T), in_place_(in_place), has_state_(state.has_value() && state->defined()),
+        has_bias_(bias.has_value() && bias->defined()), x_(x), state_(has_state_ ? *state : at::Tensor()),
+        w_(weight.reshape({dims.C, dims.K}).to(at::kFloat).contiguous()),
+        bias_(has_bias_ ? bias->to(at::kFloat).contiguous() : at::Tensor()),
+        out_(at::empty({dims.B, dims.T, dims.C}, x.options())),
+        rolled_(in_place && dims.W == L_ && dims.T > 0 && state_.scalar_type() == at::kFloat && state_.is_contiguous()) {}
 
-  // ggml writes {C, T, B}: torch (B, T, C), returned as its (B, C, T) transpose (what the layer
-  // transposes back). The conv's input for a block of channels, float32 {K - 1 + T, cs, B}, is
-  // gathered into a per-thread buffer: the last K - 1 state columns, then x. Blocks are small
-  // (~256 KB of input) because ggml's loop walks all of a block's channels for every token: one
-  // 2 KB-strided row per channel and token, which thrashes the TLB on a whole 6144-channel prefill.
-  // Bias, SiLU and the cast to x's dtype then run once per thread's chunk, on rows of the whole
-  // chunk (on a block's 16-32-wide rows SiLU costs more than the conv).
-  at::Tensor out = at::empty({B, T, C}, x.options());
-  const int64_t L = K - 1 + T;
-  const bool out_f32 = x.scalar_type() == at::kFloat;
-  if (B > 0 && T > 0 && C > 0) {
-    const int64_t block = std::max<int64_t>(16, (int64_t{1} << 18) / (4 * L * B) / 16 * 16);
-    // Threads take at least ~16 KB of input each: a decode step's 6144 channels (4 columns) are
-    // split too, though they fit one block.
-    const int64_t min_chunk = std::max<int64_t>(16, (int64_t{1} << 12) / (L * B));
-    parallel_chunks(C, min_chunk, 16, 2, [&](int64_t c0, int64_t c1) {
-      const auto& G = ggml();
-      const int64_t n = c1 - c0;
-      // float32 conv results of this chunk: straight into out, or a buffer when out is bf16/f16
-      const at::Tensor conv = out_f32 ? out.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
-      for (int64_t cb = c0; cb < c1; cb += block) {
-        const int64_t cs = std::min(block, c1 - cb);
-        at::Tensor sx;
-        if (rolled) {  // the new state [state[T:] | x] is the conv's input: roll it, read it in place
-          // Each W-float row moves T to the left: one memmove of the block's rows by T floats (the
-          // last T columns of each row get the next row's first ones, overwritten by x just below).
-          float* sp = state->data_ptr<float>();
-          for (int64_t b = 0; b < B; ++b) {
-            float* rows = sp + (b * C + cb) * W;
-            std::memmove(rows, rows + T, static_cast<size_t>(cs * W - T) * sizeof(float));
-          }
-          gather_rows(x.narrow(1, cb, cs), sp + cb * W, W, W - T, C * W);
-          sx = state->narrow(1, cb, cs);
-        } else {
-          sx = t_conv.tensor(B * cs * L).view({B, cs, L});
-          float* sxp = sx.data_ptr<float>();
-          if (K > 1) {
-            if (has_state) gather_rows(state->narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L, 0);
-            else sx.narrow(2, 0, K - 1).zero_();
-          }
-          gather_rows(x.narrow(1, cb, cs), sxp, L, K - 1);
-        }
-        Graph gr(8);
-        ggml_tensor* y = G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w.narrow(0, cb, cs)));  // {cs, T, B}
-        gr.compute(y, conv.narrow(2, cb - c0, cs));
-      }
-      if (!has_bias && !silu && out_f32) return;
-      Graph gr(8);  // in place when out is float32 (element-wise ops)
-      ggml_tensor* y = gr.view(conv);
-      if (has_bias) y = G.ggml_add(gr.ctx(), y, gr.view(bf.narrow(0, c0, n)));
-      if (silu) y = G.ggml_silu(gr.ctx(), y);
-      gr.compute(as_dtype(gr, y, x.scalar_type()), out.narrow(2, c0, n));
-    });
+  // (y (B, C, T), the new rolling state: `state` itself in place)
+  std::tuple<at::Tensor, at::Tensor> run() {
+    const auto [B, C, T, K, W, silu] = dims_;
+    if (B > 0 && T > 0 && C > 0) {
+      // Threads take at least ~16 KB of input each: a decode step's 6144 channels (4 columns) are
+      // split too, though they fit one block.
+      const int64_t min_chunk = std::max<int64_t>(16, (int64_t{1} << 12) / (L_ * B));
+      parallel_chunks(C, min_chunk, 16, 2, [&](int64_t c0, int64_t c1) { run_chunk(c0, c1); });
+    }
+    if (rolled_) return {out_.transpose(1, 2), state_};
+    const at::Tensor new_state = rolling_state();
+    if (in_place_) {
+      state_.copy_(new_state);
+      return {out_.transpose(1, 2), state_};
+    }
+    return {out_.transpose(1, 2), new_state};
   }
 
-  if (rolled) return {out.transpose(1, 2), *state};
+ private:
+  // Channels [c0, c1): the conv block by block, then bias, SiLU and the cast on the whole chunk.
+  void run_chunk(int64_t c0, int64_t c1) {
+    const auto& G = ggml();
+    const int64_t n = c1 - c0, B = dims_.B, T = dims_.T;
+    const bool out_f32 = x_.scalar_type() == at::kFloat;
+    const int64_t block = std::max<int64_t>(16, (int64_t{1} << 18) / (4 * L_ * B) / 16 * 16);
+    // float32 conv results of this chunk: straight into out, or a buffer when out is bf16/f16
+    const at::Tensor conv = out_f32 ? out_.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
+    for (int64_t cb = c0; cb < c1; cb += block) {
+      const int64_t cs = std::min(block, c1 - cb);
+      const at::Tensor sx = rolled_ ? roll_state(cb, cs) : gather_input(cb, cs);
+      Graph gr(8);
+      ggml_tensor* y = G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w_.narrow(0, cb, cs)));  // {cs, T, B}
+      gr.compute(y, conv.narrow(2, cb - c0, cs));
+    }
+    if (!has_bias_ && !dims_.silu && out_f32) return;
+    Graph gr(8);  // in place when out is float32 (element-wise ops)
+    ggml_tensor* y = gr.view(conv);
+    if (has_bias_) y = G.ggml_add(gr.ctx(), y, gr.view(bias_.narrow(0, c0, n)));
+    if (dims_.silu) y = G.ggml_silu(gr.ctx(), y);
+    gr.compute(as_dtype(gr, y, x_.scalar_type()), out_.narrow(2, c0, n));
+  }
+
+  // The new state [state[T:] | x] of channels [cb, cb + cs) is the conv's input: rolled in place
+  // and returned as (B, cs, W). Each W-float row moves T to the left: one memmove of the block's
+  // rows by T floats (the last T columns of each row get the next row's first ones, overwritten by
+  // x just below).
+  at::Tensor roll_state(int64_t cb, int64_t cs) const {
+    const int64_t B = dims_.B, C = dims_.C, T = dims_.T, W = dims_.W;
+    float* sp = state_.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      float* rows = sp + (b * C + cb) * W;
+      std::memmove(rows, rows + T, static_cast<size_t>(cs * W - T) * sizeof(float));
+    }
+    gather_rows(x_.narrow(1, cb, cs), sp + cb * W, W, W - T, C * W);
+    return state_.narrow(1, cb, cs);
+  }
+
+  // [last K - 1 state columns (zeros without a state) | x] of channels [cb, cb + cs) as float32
+  // (B, cs, K - 1 + T) in this thread's buffer.
+  at::Tensor gather_input(int64_t cb, int64_t cs) const {
+    const int64_t K = dims_.K, W = dims_.W;
+    const at::Tensor sx = t_conv.tensor(dims_.B * cs * L_).view({dims_.B, cs, L_});
+    float* sxp = sx.data_ptr<float>();
+    if (K > 1) {
+      if (has_state_) gather_rows(state_.narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L_, 0);
+      else sx.narrow(2, 0, K - 1).zero_();
+    }
+    gather_rows(x_.narrow(1, cb, cs), sxp, L_, K - 1);
+    return sx;
+  }
+
   // The new rolling state: the last W columns of [state | x] (zeros before the first input).
-  at::Tensor new_state = at::empty({B, C, W}, x.options().dtype(has_state ? state->scalar_type() : x.scalar_type()));
-  if (T >= W) {
-    new_state.copy_(x.narrow(2, T - W, W));
-  } else {
-    if (has_state) new_state.narrow(2, 0, W - T).copy_(state->narrow(2, T, W - T));
-    else new_state.narrow(2, 0, W - T).zero_();
-    if (T > 0) new_state.narrow(2, W - T, T).copy_(x);
+  at::Tensor rolling_state() const {
+    const int64_t T = dims_.T, W = dims_.W;
+    at::Tensor new_state = at::empty({dims_.B, dims_.C, W}, x_.options().dtype(has_state_ ? state_.scalar_type() : x_.scalar_type()));
+    if (T >= W) {
+      new_state.copy_(x_.narrow(2, T - W, W));
+    } else {
+      if (has_state_) new_state.narrow(2, 0, W - T).copy_(state_.narrow(2, T, W - T));
+      else new_state.narrow(2, 0, W - T).zero_();
+      if (T > 0) new_state.narrow(2, W - T, T).copy_(x_);
+    }
+    return new_state;
   }
-  if (in_place) {
-    state->copy_(new_state);
-    return {out.transpose(1, 2), *state};
-  }
-  return {out.transpose(1, 2), new_state};
+
+  const ConvDims dims_;
+  const int64_t L_;  // the conv's input columns
+  const bool in_place_, has_state_, has_bias_;
+  const at::Tensor x_, state_, w_, bias_;
+  at::Tensor out_;
+  const bool rolled_;
+};
+
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>& state,
+                                                      const std::optional<at::Tensor>& bias,
+                                                      std::optional<c10::string_view> activation,
+                                                      bool in_place) {
+  const ConvDims dims = check_conv_inputs(x, weight, state, bias, activation, in_place);
+  return ConvCall(x, weight, state, bias, in_place, dims).run();
 }
 
 }  // namespace
@@ -495,19 +608,22 @@ std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::
   auto beta = at::empty(b.sizes(), b.options().dtype(at::kFloat));
   const int64_t rows = H > 0 ? a.numel() / H : 0;
   if (rows == 0 || H == 0) return {g, beta};
+  // Every tensor a graph reads is held by a name here until the graph has run (a temporary's
+  // memory would be freed, possibly reused, before ggml reads it).
   const at::Tensor A32 = A_log.to(at::kFloat).contiguous(), dt32 = dt_bias.to(at::kFloat).contiguous();
+  const at::Tensor a2 = a.reshape({rows, H}).contiguous(), b2 = b.reshape({rows, H}).contiguous();
   const auto& G = ggml();
   {  // g = softplus(a + dt_bias) * -exp(A_log)
     Graph gr(12);
     ggml_context* ctx = gr.ctx();
-    ggml_tensor* t = as_f32(gr, gr.view(a.reshape({rows, H}).contiguous()));
+    ggml_tensor* t = as_f32(gr, gr.view(a2));
     t = G.ggml_softplus(ctx, G.ggml_add(ctx, t, gr.view(dt32)));
     t = G.ggml_mul(ctx, t, G.ggml_neg(ctx, G.ggml_exp(ctx, gr.view(A32))));
     gr.compute(t, g.view({rows, H}));
   }
   {  // beta = sigmoid(b)
     Graph gr(6);
-    ggml_tensor* t = G.ggml_sigmoid(gr.ctx(), as_f32(gr, gr.view(b.reshape({rows, H}).contiguous())));
+    ggml_tensor* t = G.ggml_sigmoid(gr.ctx(), as_f32(gr, gr.view(b2)));
     gr.compute(t, beta.view({rows, H}));
   }
   return {g, beta};

@@ -10,6 +10,8 @@ from transformers import DynamicCache
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
+from tools.testing.kernel_testing import assert_fake_refuses_as_cpu, on_meta
+
 B, T, HK, HV, D = 1, 3, 2, 4, 64
 
 
@@ -119,8 +121,9 @@ def _config(**kw):
 
 
 def _layer(gdn, config, layer_idx):
-    from tools.testing.kernel_testing import variant_dir
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+    from tools.testing.kernel_testing import variant_dir
 
     module = Qwen3_5GatedDeltaNet(config, layer_idx=layer_idx).eval()
     repo = LocalLayerRepository(repo_path=variant_dir("ggml-gated-delta-net"), layer_name="Qwen3_5GatedDeltaNet")
@@ -158,3 +161,139 @@ def test_cache_for_another_batch(gdn):
     module(torch.randn(2, 3, 128), cache_params=cache)
     with pytest.raises(ValueError, match="holds a conv state for batch size 2, but hidden_states has batch size 1"):
         module(torch.randn(1, 1, 128), cache_params=cache)
+
+
+# ---- in-place ops: a state that inputs share memory with, or one made with expand ----
+
+
+def test_causal_conv1d_inplace_refuses_inputs_overlapping_the_state(gdn):
+    """x read from the state the op rolls would be read after it moved (torch's in-place ops refuse
+    such an overlap); an expanded state would have every batch entry written to one place."""
+    state = torch.randn(1, 8, 4)
+    w = torch.randn(8, 1, 4)
+    before = state.clone()
+    with pytest.raises(RuntimeError, match="x shares memory with state"):
+        gdn.causal_conv1d_(state[:, :, 3:], w, state)
+    with pytest.raises(RuntimeError, match="weight shares memory with state"):
+        gdn.causal_conv1d_(torch.randn(1, 8, 1), state[0, :, :].view(8, 1, 4), state)
+    with pytest.raises(RuntimeError, match="bias shares memory with state"):
+        gdn.causal_conv1d_(torch.randn(1, 8, 1), w, state, bias=state[0, :, 0])
+    assert torch.equal(state, before)
+    with pytest.raises(RuntimeError, match="state is written in place but several of its elements share one memory location"):
+        gdn.causal_conv1d_(torch.randn(2, 8, 1), w, torch.zeros(1, 8, 4).expand(2, 8, 4))
+    y = gdn.causal_conv1d_(state[:, :, 3:].clone(), w, state)  # a copy is apart: fine
+    assert y.shape == (1, 8, 1)
+
+
+def test_gated_delta_net_inplace_refuses_inputs_overlapping_the_state(gdn):
+    a = inputs(state=torch.zeros(B, HV, D, D).transpose(2, 3))  # ggml's layout, as the in-place op needs
+    flat = a["state"].transpose(2, 3).reshape(-1)
+    for name, view in (("q", flat[: B * T * HK * D].view(B, T, HK, D)), ("beta", flat[: B * T * HV].view(B, T, HV))):
+        b = dict(a, **{name: view})
+        with pytest.raises(RuntimeError, match=f"{name} shares memory with state"):
+            gdn.gated_delta_net_(b["q"], b["k"], b["v"], b["g"], b["beta"], b["state"])
+
+
+# ---- the fake (meta) implementations refuse what the CPU op refuses, with the same words ----
+
+
+GDN_REFUSED = {  # overrides of inputs(): q, k (1, 3, 2, 64), v (1, 3, 4, 64), g, beta (1, 3, 4), state (1, 4, 64, 64)
+    "int q": dict(q=torch.ones(B, T, HK, D, dtype=torch.long)),
+    "mixed dtypes": dict(k=torch.randn(B, T, HK, D).bfloat16()),
+    "3-D q": dict(q=torch.randn(T, HK, D), k=torch.randn(T, HK, D)),
+    "3-D v": dict(v=torch.randn(T, HV, D)),
+    "k shape": dict(k=torch.randn(B, T, HK + 1, D)),
+    "tokens": dict(v=torch.randn(B, T + 1, HV, D)),
+    "value head dim": dict(q=torch.randn(B, T, HK, 128), k=torch.randn(B, T, HK, 128)),
+    "head dim 96": dict(q=torch.randn(B, T, HK, 96), k=torch.randn(B, T, HK, 96), v=torch.randn(B, T, HV, 96),
+                        state=None),
+    "heads not a multiple": dict(v=torch.randn(B, T, 3, D), g=torch.rand(B, T, 3), beta=torch.rand(B, T, 3), state=None),
+    "no key heads": dict(q=torch.randn(B, T, 0, D), k=torch.randn(B, T, 0, D)),
+    "g heads": dict(g=torch.rand(B, T, HK)),
+    "2-D beta": dict(beta=torch.rand(B, T)),
+    "int g": dict(g=torch.ones(B, T, HV, dtype=torch.int32)),
+    "bf16 state": dict(state=torch.zeros(B, HV, D, D, dtype=torch.bfloat16)),
+    "state heads": dict(state=torch.zeros(B, HK, D, D)),
+    "3-D state": dict(state=torch.zeros(B, HV, D * D)),
+    "infinite scale": dict(scale=float("inf")),
+    "NaN scale": dict(scale=float("nan")),
+}
+
+
+@pytest.mark.parametrize("case", GDN_REFUSED)
+def test_fake_gated_delta_net_refuses_as_the_cpu_op(gdn, case):
+    a = dict(inputs(), l2_normalize_qk=True, scale=None)
+    a.update(GDN_REFUSED[case])
+    assert_fake_refuses_as_cpu(gdn.ops.gated_delta_net, *a.values())
+    if a["state"] is not None:  # the in-place op, on a state in ggml's layout
+        a["state"] = a["state"].transpose(-1, -2).contiguous().transpose(-1, -2) if a["state"].dim() == 4 else a["state"]
+        assert_fake_refuses_as_cpu(gdn.ops.gated_delta_net_, *a.values())
+
+
+def test_fake_gated_delta_net_inplace_needs_ggml_layout(gdn):
+    a = dict(inputs(), l2_normalize_qk=True, scale=None)  # a contiguous (transformers') state
+    assert_fake_refuses_as_cpu(gdn.ops.gated_delta_net_, *a.values())
+
+
+CONV_REFUSED = {  # overrides of a good call: x (1, 8, 5), weight (8, 1, 4), state (1, 8, 4)
+    "channels": dict(weight=torch.randn(6, 1, 4)),
+    "weight (C, 2, K)": dict(weight=torch.randn(8, 2, 4)),
+    "1-D weight": dict(weight=torch.randn(8)),
+    "empty kernel": dict(weight=torch.randn(8, 0), state=None),
+    "narrow state": dict(state=torch.randn(1, 8, 2)),
+    "state batch": dict(state=torch.randn(2, 8, 4)),
+    "activation": dict(activation="gelu"),
+    "2-D x": dict(x=torch.randn(8, 5)),
+    "int x": dict(x=torch.ones(1, 8, 5, dtype=torch.int32)),
+    "bias": dict(bias=torch.randn(3)),
+    "int state": dict(state=torch.ones(1, 8, 4, dtype=torch.int64)),
+}
+
+
+@pytest.mark.parametrize("case", CONV_REFUSED)
+def test_fake_causal_conv1d_refuses_as_the_cpu_op(gdn, case):
+    a = dict(x=torch.randn(1, 8, 5), weight=torch.randn(8, 1, 4), state=torch.randn(1, 8, 4), bias=None, activation="silu")
+    a.update(CONV_REFUSED[case])
+    assert_fake_refuses_as_cpu(gdn.ops.causal_conv1d, *a.values())
+    if a["state"] is not None:
+        assert_fake_refuses_as_cpu(gdn.ops.causal_conv1d_, *a.values())
+
+
+def test_fake_causal_conv1d_inplace_state_dtype(gdn):
+    x, w = torch.randn(1, 8, 1, dtype=torch.bfloat16), torch.randn(8, 1, 4)
+    assert_fake_refuses_as_cpu(gdn.ops.causal_conv1d_, x, w, torch.zeros(1, 8, 4, dtype=torch.float16), None, "silu")
+
+
+SMALL_OPS_REFUSED = {
+    "gates: 2-D A_log": ("gates", torch.randn(2, 4), torch.randn(2, 4), torch.randn(4), torch.randn(2, 4)),
+    "gates: dt_bias": ("gates", torch.randn(4), torch.randn(2, 4), torch.randn(3), torch.randn(2, 4)),
+    "gates: a heads": ("gates", torch.randn(4), torch.randn(2, 3), torch.randn(4), torch.randn(2, 3)),
+    "gates: b shape": ("gates", torch.randn(4), torch.randn(2, 4), torch.randn(4), torch.randn(3, 4)),
+    "gates: int b": ("gates", torch.randn(4), torch.randn(2, 4), torch.randn(4), torch.ones(2, 4, dtype=torch.long)),
+    "gated_rms_norm: weight": ("gated_rms_norm", torch.randn(2, 16), torch.randn(2, 16), torch.ones(8), 1e-6),
+    "gated_rms_norm: gate": ("gated_rms_norm", torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), 1e-6),
+    "gated_rms_norm: empty rows": ("gated_rms_norm", torch.randn(2, 0), torch.randn(2, 0), torch.ones(0), 1e-6),
+    "gated_rms_norm: eps": ("gated_rms_norm", torch.randn(2, 16), torch.randn(2, 16), torch.ones(16), -1.0),
+    "l2_norm: eps": ("l2_norm", torch.randn(2, 16), -1.0),
+    "l2_norm: NaN eps": ("l2_norm", torch.randn(2, 16), float("nan")),
+    "l2_norm: scalar": ("l2_norm", torch.tensor(1.0), 1e-6),
+    "l2_norm: int": ("l2_norm", torch.ones(2, 16, dtype=torch.int32), 1e-6),
+}
+
+
+@pytest.mark.parametrize("case", SMALL_OPS_REFUSED)
+def test_fake_small_ops_refuse_as_the_cpu_op(gdn, case):
+    op, *args = SMALL_OPS_REFUSED[case]
+    assert_fake_refuses_as_cpu(getattr(gdn.ops, op), *args)
+
+
+def test_fake_accepts_what_the_cpu_op_accepts(gdn):
+    a = {name: on_meta(x) for name, x in inputs().items()}
+    out, state = gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=0.3)
+    gdn.gated_delta_net_(a["q"], a["k"], a["v"], a["g"], a["beta"], state, scale=0.3)
+    x, w = on_meta(torch.randn(1, 8, 5)), on_meta(torch.randn(8, 4))
+    gdn.causal_conv1d(x, w, on_meta(torch.randn(1, 8, 3)), bias=on_meta(torch.randn(8)), activation=None)
+    gdn.causal_conv1d_(x, w, on_meta(torch.randn(1, 8, 9)), activation="swish")
+    gdn.gates(on_meta(torch.randn(4)), on_meta(torch.randn(2, 3, 4)), on_meta(torch.randn(4)), on_meta(torch.randn(2, 3, 4)))
+    gdn.gated_rms_norm(x, x, on_meta(torch.ones(5)))
+    assert gdn.l2_norm(x).is_meta

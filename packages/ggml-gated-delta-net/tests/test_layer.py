@@ -16,11 +16,12 @@ from collections import Counter
 
 import pytest
 import torch
-from tools.testing.kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import DynamicCache
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5GatedDeltaNet
+
+from tools.testing.kernel_testing import variant_dir
 
 LAYER_TOL = 1e-5
 BF16_LAYER_TOL = 3e-2

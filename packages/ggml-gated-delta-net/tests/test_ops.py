@@ -23,6 +23,8 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from tools.testing.kernel_testing import run_fresh
+
 GDN_TOL = 2e-5
 CONV_TOL = 1e-6
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -101,6 +103,38 @@ def test_gated_delta_net_scale(gdn, scale):
     ref_out, ref_state = gdn.reference.gated_delta_net(*as64(*inputs), l2_normalize_qk=True, scale=scale)
     assert_close_scaled(out, ref_out, GDN_TOL)
     assert_close_scaled(state, ref_state, GDN_TOL)
+
+
+def test_gated_delta_net_scale_without_l2_normalisation():
+    """Any scale but the default without l2_normalize_qk scaled a strided view of q, which ggml's
+    scale refuses (GGML_ASSERT(ggml_is_padded_1d(a)): the process aborted). In a fresh process; the
+    issue's call, the in-place op and q as a view into a packed tensor, against the reference."""
+    res = run_fresh("ggml-org/ggml-gated-delta-net", """
+        import torch
+        torch.manual_seed(0)
+        q, kk, v = torch.randn(1, 3, 2, 32), torch.randn(1, 3, 2, 32), torch.randn(1, 3, 4, 32)
+        g, beta, state = -torch.rand(1, 3, 4), torch.rand(1, 3, 4), torch.randn(1, 4, 32, 32) * 0.1
+        packed = torch.randn(1, 3, 8 * 32)
+        qp, kp, vp = torch.split(packed, [2 * 32, 2 * 32, 4 * 32], dim=-1)
+        qp, kp, vp = qp.reshape(1, 3, 2, 32), kp.reshape(1, 3, 2, 32), vp.reshape(1, 3, 4, 32)
+
+        def err(out, ref):
+            return float((out.double() - ref).abs().max() / ref.abs().max())
+
+        res = {}
+        for scale in (0.3, 1.0, 2.5):
+            for name, args in (("issue", (q, kk, v)), ("packed", (qp, kp, vp))):
+                out, new_state = k.gated_delta_net(*args, g, beta, state, scale=scale)
+                ref, ref_state = k.reference.gated_delta_net(*(x.double() for x in (*args, g, beta, state)), scale=scale)
+                res[f"{name} {scale}"] = max(err(out, ref), err(new_state, ref_state))
+            in_place = new_state.clone()  # ggml's layout, as gated_delta_net_ needs
+            in_place.copy_(state)
+            out = k.gated_delta_net_(qp, kp, vp, g, beta, in_place, scale=scale)
+            ref, ref_state = k.reference.gated_delta_net(*(x.double() for x in (qp, kp, vp, g, beta, state)), scale=scale)
+            res[f"in place {scale}"] = max(err(out, ref), err(in_place, ref_state))
+    """)
+    assert len(res) == 9
+    assert max(res.values()) < GDN_TOL, res
 
 
 def test_gated_delta_net_strided_inputs(gdn):
@@ -350,6 +384,29 @@ def test_gates(gdn, dtype):
     assert_close_scaled(beta, ref_beta, CONV_TOL)
     hf_g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
     assert_close_scaled(g, hf_g, CONV_TOL)
+
+
+def test_gates_non_contiguous_inputs():
+    """A non-contiguous a or b was copied into a temporary freed before the graph read it: garbage
+    (-3e26 at 4 rows) or a crash (20000 rows). In a fresh process; bit-identical to the contiguous
+    call, and right against the reference."""
+    res = run_fresh("ggml-org/ggml-gated-delta-net", """
+        import torch
+        torch.manual_seed(0)
+        A_log, dt_bias = torch.randn(32), torch.randn(32)
+        res = {}
+        for rows in (4, 20000):
+            a, b = torch.randn(32, rows).t(), torch.randn(32, rows).t()
+            want = k.gates(A_log, a.contiguous(), dt_bias, b.contiguous())
+            ref = k.reference.gates(A_log.double(), a.double(), dt_bias.double(), b.double())
+            for name, args in (("a", (a, b.contiguous())), ("b", (a.contiguous(), b)), ("both", (a, b))):
+                g, beta = k.gates(A_log, args[0], dt_bias, args[1])
+                res[f"{rows} {name} same"] = bool(torch.equal(g, want[0]) and torch.equal(beta, want[1]))
+                res[f"{rows} {name} vs ref"] = max(float((g - ref[0]).abs().max() / ref[0].abs().max()),
+                                                   float((beta - ref[1]).abs().max()))
+    """)
+    assert all(v for key, v in res.items() if key.endswith("same")), res
+    assert max(v for key, v in res.items() if key.endswith("vs ref")) < CONV_TOL, res
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from . import layers, reference
+from . import _checks, layers, reference
+from ._checks import HEAD_DIMS
 from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
@@ -57,8 +58,6 @@ __all__ = [
     "reference",
 ]
 
-# Head dims the op accepts (ggml's GPU kernels are specialised for these; the CPU follows suit).
-HEAD_DIMS = (32, 64, 128)
 # transformers' (and FLA's) l2norm epsilon; gated_delta_net(l2_normalize_qk=True) uses it.
 L2_EPS = 1e-6
 
@@ -138,15 +137,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
-# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here.
+# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here; the
+# kernel's shape and dtype rules are checked here too (_checks), so a traced call fails as an eager one.
 
 
 
 @torch.library.register_fake(add_op_namespace_prefix("gated_delta_net"))
 def _gated_delta_net_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
     same_device("gated_delta_net", q=q, k=k, v=v, g=g, beta=beta, state=state)
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    _checks.gated_delta_net(q, k, v, g, beta, state, scale, in_place=False)
     b, t, hv, dv = v.shape
     state_out = q.new_empty((b, hv, dv, q.shape[3]), dtype=torch.float32).transpose(2, 3)  # ggml's layout
     return q.new_empty((b, t, hv, dv)), state_out
@@ -155,12 +154,14 @@ def _gated_delta_net_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
 @torch.library.register_fake(add_op_namespace_prefix("gated_delta_net_"))
 def _gated_delta_net_inplace_fake(q, k, v, g, beta, state, l2_normalize_qk, scale):
     same_device("gated_delta_net_", q=q, k=k, v=v, g=g, beta=beta, state=state)
+    _checks.gated_delta_net(q, k, v, g, beta, state, scale, in_place=True)
     return q.new_empty(v.shape)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("causal_conv1d"))
 def _causal_conv1d_fake(x, weight, state, bias, activation):
     same_device("causal_conv1d", x=x, weight=weight, state=state, bias=bias)
+    _checks.causal_conv1d(x, weight, state, bias, activation, in_place=False)
     b, c, t = x.shape
     w = state.shape[-1] if state is not None else weight.shape[-1]
     y = x.new_empty((b, t, c)).transpose(1, 2)
@@ -170,22 +171,26 @@ def _causal_conv1d_fake(x, weight, state, bias, activation):
 @torch.library.register_fake(add_op_namespace_prefix("causal_conv1d_"))
 def _causal_conv1d_inplace_fake(x, weight, state, bias, activation):
     same_device("causal_conv1d_", x=x, weight=weight, state=state, bias=bias)
+    _checks.causal_conv1d(x, weight, state, bias, activation, in_place=True)
     b, c, t = x.shape
     return x.new_empty((b, t, c)).transpose(1, 2)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("l2_norm"))
 def _l2_norm_fake(x, eps):
+    _checks.l2_norm(x, eps)
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("gates"))
 def _gates_fake(A_log, a, dt_bias, b):
     same_device("gates", A_log=A_log, a=a, dt_bias=dt_bias, b=b)
+    _checks.gates(A_log, a, dt_bias, b)
     return a.new_empty(a.shape, dtype=torch.float32), b.new_empty(b.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("gated_rms_norm"))
 def _gated_rms_norm_fake(x, gate, weight, eps):
     same_device("gated_rms_norm", x=x, gate=gate, weight=weight)
+    _checks.gated_rms_norm(x, gate, weight, eps)
     return x.new_empty(x.shape)
