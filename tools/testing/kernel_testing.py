@@ -111,10 +111,12 @@ def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | 
 
 
 def on_meta(x):
-    """x as a meta tensor with its strides (`.to("meta")` makes a strided tensor contiguous); anything
-    else as it is."""
+    """x as a meta tensor with its strides (`.to("meta")` makes a strided tensor contiguous), a list
+    of tensors as a list of those (a Tensor[] argument); anything else as it is."""
     import torch
 
+    if isinstance(x, list):
+        return [on_meta(t) for t in x]
     if not isinstance(x, torch.Tensor):
         return x
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tools.testing.kernel_testing import assert_fake_refuses_as_cpu, on_meta
+
 K, N = 256, 8
 
 
@@ -150,3 +152,96 @@ def test_device_mismatch(gq, w):
         gq.mul_mat_id(torch.stack([w, w]), torch.randn(2, K), torch.zeros(2, 1, dtype=torch.int32, device="meta"), 12, N)
     with pytest.raises(ValueError, match="all tensors must be on one device"):
         gq.get_rows(w, torch.zeros(1, dtype=torch.int32, device="meta"), 12, K)
+
+
+# ---- fake (meta) implementations refuse what the kernel refuses --------------------------------
+# Each case is an op of torch.ops (as a compiled graph calls it) and its arguments: the kernel refuses
+# them on the CPU, and the fake implementation (what torch.compile traces with) refuses the same
+# arguments as meta tensors with the same exception type and message.
+
+Q4K = 12
+
+
+def _u8(*shape):
+    return torch.zeros(shape, dtype=torch.uint8)
+
+
+def _w(rows=N):
+    return _u8(rows, 144)  # rows of K values as Q4_K bytes (zeros: a valid weight)
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.zeros(shape or (1, K), dtype=dtype)
+
+
+def _ids(*shape, dtype=torch.int32):
+    return torch.zeros(shape or (2, 1), dtype=dtype)
+
+
+_E = (2, N, 144)  # two experts
+FAKE_CASES = {
+    "mul_mat blocks int8": ("mul_mat", lambda: (_w().view(torch.int8), _x(), Q4K, N)),
+    "mul_mat blocks 3-D": ("mul_mat", lambda: (_u8(1, N, 144), _x(), Q4K, N)),
+    "mul_mat partial block": ("mul_mat", lambda: (_u8(N, 100), _x(), Q4K, N)),
+    "mul_mat out_features": ("mul_mat", lambda: (_w(), _x(), Q4K, N + 1)),
+    "mul_mat x wrong K": ("mul_mat", lambda: (_w(), _x(1, K // 2), Q4K, N)),
+    "mul_mat x 0-D": ("mul_mat", lambda: (_w(), _x().sum(), Q4K, N)),
+    "mul_mat x float64": ("mul_mat", lambda: (_w(), _x(dtype=torch.float64), Q4K, N)),
+    "mul_mat blocks strided": ("mul_mat", lambda: (_u8(N, 288)[:, :144], _x(), Q4K, N)),
+    "mul_mat type Q8_K": ("mul_mat", lambda: (_u8(N, 292), _x(), 15, N)),
+    "mul_mat type 4": ("mul_mat", lambda: (_w(), _x(), 4, N)),
+    "mul_mat_vec out_features": ("mul_mat_vec", lambda: (_w(), _x(), Q4K, N - 1)),
+    "mul_mat_vec x wrong K": ("mul_mat_vec", lambda: (_w(), _x(3, K + 1), Q4K, N)),
+    "mul_mat_group empty": ("mul_mat_group", lambda: ([], _x(), [], [])),
+    "mul_mat_group lengths": ("mul_mat_group", lambda: ([_w(), _w()], _x(), [Q4K], [N, N])),
+    "mul_mat_group second K": ("mul_mat_group", lambda: ([_w(), _u8(N, 288)], _x(), [Q4K, Q4K], [N, N])),
+    "mul_mat_group second rows": ("mul_mat_group", lambda: ([_w(), _w()], _x(), [Q4K, Q4K], [N, N + 1])),
+    "mul_mat_group second type": ("mul_mat_group", lambda: ([_w(), _w()], _x(), [Q4K, 5], [N, N])),
+    "mul_mat_id blocks 2-D": ("mul_mat_id", lambda: (_w(), _x(2, K), _ids(), Q4K, N)),
+    "mul_mat_id out_features": ("mul_mat_id", lambda: (_u8(*_E), _x(2, K), _ids(), Q4K, N + 1)),
+    "mul_mat_id x 3-D": ("mul_mat_id", lambda: (_u8(*_E), _x(2, 1, K), _ids(), Q4K, N)),
+    "mul_mat_id x wrong K": ("mul_mat_id", lambda: (_u8(*_E), _x(2, 2 * K), _ids(), Q4K, N)),
+    "mul_mat_id ids float": ("mul_mat_id", lambda: (_u8(*_E), _x(2, K), _ids(dtype=torch.float32), Q4K, N)),
+    "mul_mat_id ids 1-D": ("mul_mat_id", lambda: (_u8(*_E), _x(2, K), _ids(2), Q4K, N)),
+    "mul_mat_id ids rows": ("mul_mat_id", lambda: (_u8(*_E), _x(2, K), _ids(3, 1), Q4K, N)),
+    "dequantize rows": ("dequantize", lambda: (_w(), Q4K, N + 1, K, torch.float32)),
+    "dequantize cols": ("dequantize", lambda: (_w(), Q4K, N, 2 * K, torch.float32)),
+    "dequantize cols not whole blocks": ("dequantize", lambda: (_w(), Q4K, N, K + 1, torch.float32)),
+    "dequantize cols 0": ("dequantize", lambda: (_w(), Q4K, N, 0, torch.float32)),
+    "dequantize dtype": ("dequantize", lambda: (_w(), Q4K, N, K, torch.int32)),
+    "dequantize blocks 3-D": ("dequantize", lambda: (_u8(1, N, 144), Q4K, 1, K, torch.float32)),
+    "dequantize blocks int32": ("dequantize", lambda: (torch.zeros(N, 36, dtype=torch.int32), Q4K, N, K, torch.float32)),
+    "dequantize type Q8_1": ("dequantize", lambda: (_u8(N, 36), 9, N, 32, torch.float32)),
+    "get_rows cols": ("get_rows", lambda: (_w(), _ids(1), Q4K, 2 * K, torch.float32)),
+    "get_rows indices 2-D": ("get_rows", lambda: (_w(), _ids(1, 1), Q4K, K, torch.float32)),
+    "get_rows indices float": ("get_rows", lambda: (_w(), _ids(1, dtype=torch.float32), Q4K, K, torch.float32)),
+    "get_rows dtype": ("get_rows", lambda: (_w(), _ids(1), Q4K, K, torch.int64)),
+    "get_rows blocks 1-D": ("get_rows", lambda: (_u8(144), _ids(1), Q4K, K, torch.float32)),
+    "quantize x 3-D": ("quantize", lambda: (_x(1, 2, K), Q4K, None)),
+    "quantize x float64": ("quantize", lambda: (_x(dtype=torch.float64), Q4K, None)),
+    "quantize cols": ("quantize", lambda: (_x(2, 300), Q4K, None)),
+    "quantize imatrix size": ("quantize", lambda: (_x(), Q4K, _x(K - 1))),
+    "quantize imatrix 2-D": ("quantize", lambda: (_x(), Q4K, _x(1, K))),
+    "quantize imatrix float64": ("quantize", lambda: (_x(), Q4K, _x(K, dtype=torch.float64))),
+    "quantize IQ2_XXS no imatrix": ("quantize", lambda: (_x(), 16, None)),
+    "quantize type Q8_1": ("quantize", lambda: (_x(1, 32), 9, None)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKE_CASES))
+def test_fake_refuses_what_the_kernel_refuses(gq, case):
+    op, args = FAKE_CASES[case]
+    assert_fake_refuses_as_cpu(getattr(gq.ops, op), *args())
+
+
+def test_fake_accepts_what_the_kernel_accepts(gq):
+    """The rules above refuse nothing valid: well-formed calls trace on the meta device."""
+    ops = gq.ops
+    m = on_meta
+    assert ops.mul_mat(m(_w()), m(_x(2, 3, K)), Q4K, N).shape == (2, 3, N)
+    assert [t.shape for t in ops.mul_mat_group(m([_w(), _w(4)]), m(_x()), [Q4K, Q4K], [N, 4])] == [(1, N), (1, 4)]
+    assert ops.mul_mat_id(m(_u8(*_E)), m(_x(2, K)), m(_ids(2, 3)), Q4K, N).shape == (2, 3, N)
+    assert ops.dequantize(m(_w()), Q4K, N, K, torch.bfloat16).dtype == torch.bfloat16
+    assert ops.dequantize(m(_u8(N, 4 * 97)), 0, N, 97, torch.float32).shape == (N, 97)
+    assert ops.get_rows(m(_w()), m(_ids(5, dtype=torch.int64)), Q4K, K, torch.float16).shape == (5, K)
+    assert ops.quantize(m(_x(3, K)), 16, m(_x(K))).shape == (3, 66)

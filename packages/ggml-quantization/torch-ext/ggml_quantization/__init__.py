@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import layers, reference
+from . import _checks, layers, reference
 from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import GGMLType, IMATRIX_TYPES, STORAGE_TYPES, TYPE_INFO, TypeInfo, row_bytes, type_id, type_info, type_name
@@ -98,46 +98,53 @@ def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) ->
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
-# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here.
-
+# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here; every
+# shape and dtype rule of the kernel is checked here too (_checks), so a traced call fails as an eager one.
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat"))
 def _mul_mat_fake(blocks, x, ggml_type, out_features):
     same_device("mul_mat", blocks=blocks, x=x)
+    _checks.product(blocks, ggml_type, out_features, x)
     return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_vec"))
 def _mul_mat_vec_fake(blocks, x, ggml_type, out_features):
     same_device("mul_mat_vec", blocks=blocks, x=x)
+    _checks.product(blocks, ggml_type, out_features, x)
     return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_group"))
 def _mul_mat_group_fake(blocks, x, ggml_types, out_features):
     same_device("mul_mat_group", x=x, **{f"blocks[{i}]": b for i, b in enumerate(blocks)})
+    _checks.group(blocks, x, ggml_types, out_features)
     return [x.new_empty((*x.shape[:-1], n), dtype=torch.float32) for n in out_features]
 
 
 @torch.library.register_fake(add_op_namespace_prefix("mul_mat_id"))
 def _mul_mat_id_fake(blocks, x, ids, ggml_type, out_features):
     same_device("mul_mat_id", blocks=blocks, x=x, ids=ids)
+    _checks.experts(blocks, x, ids, ggml_type, out_features)
     return x.new_empty((x.shape[0], ids.shape[1], out_features), dtype=torch.float32)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("dequantize"))
 def _dequantize_fake(blocks, ggml_type, rows, cols, dtype):
+    _checks.dequantize(blocks, ggml_type, rows, cols, dtype)
     return blocks.new_empty((rows, cols), dtype=dtype)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("get_rows"))
 def _get_rows_fake(blocks, indices, ggml_type, cols, dtype):
     same_device("get_rows", blocks=blocks, indices=indices)
+    _checks.get_rows(blocks, indices, ggml_type, cols, dtype)
     return blocks.new_empty((indices.shape[0], cols), dtype=dtype)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("quantize"))
 def _quantize_fake(x, ggml_type, imatrix=None):
     same_device("quantize", x=x, imatrix=imatrix)
+    _checks.quantize(x, ggml_type, imatrix, ggml_type in IMATRIX_TYPES)
     return x.new_empty((x.shape[0], row_bytes(ggml_type, x.shape[1])), dtype=torch.uint8)
