@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tools.testing.kernel_testing import assert_fake_refuses_as_cpu
+
 NAN, INF = float("nan"), float("inf")
 
 
@@ -149,3 +151,32 @@ def test_device_mismatch_and_meta(tk):
     assert w.device.type == "meta" and w.shape == (5, 8) and i.dtype == torch.int64
     with pytest.raises(ValueError, match="k=65 is larger than the number of experts"):
         tk.softmax_top_k(torch.empty(5, 64, device="meta"), 65)
+
+
+# Each case is an op of torch.ops (as a compiled graph calls it) and its arguments: the kernel refuses
+# them on the CPU, and the fake implementation (what torch.compile traces with) refuses the same
+# arguments as meta tensors with the same exception type and message.
+def _logits(*shape, dtype=torch.float32):
+    return torch.zeros(shape or (3, 8), dtype=dtype)
+
+
+FAKE_CASES = {
+    "top_k logits 3-D": ("top_k", lambda: (_logits(1, 3, 8), 2, True, False, None, None)),
+    "top_k logits 1-D": ("top_k", lambda: (_logits(8), 2, True, False, None, None)),
+    "top_k logits float64": ("top_k", lambda: (_logits(dtype=torch.float64), 2, True, False, None, None)),
+    "top_k k 0": ("top_k", lambda: (_logits(), 0, True, False, None, None)),
+    "top_k k > experts": ("top_k", lambda: (_logits(), 9, True, False, None, None)),
+    "top_k normalize without softmax": ("top_k", lambda: (_logits(), 2, False, True, None, None)),
+    "top_k weights dtype": ("top_k", lambda: (_logits(), 2, True, False, torch.int32, None)),
+    "top_k index dtype": ("top_k", lambda: (_logits(), 2, True, False, None, torch.float32)),
+    "top_k index int16": ("top_k", lambda: (_logits(), 2, True, False, None, torch.int16)),
+    "top_k_ggml k > experts": ("top_k_ggml", lambda: (_logits(), 9, True, False)),
+    "top_k_ggml logits int": ("top_k_ggml", lambda: (_logits(dtype=torch.int32), 2, True, False)),
+    "top_k_ggml normalize without softmax": ("top_k_ggml", lambda: (_logits(), 2, False, True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKE_CASES))
+def test_fake_refuses_what_the_kernel_refuses(tk, case):
+    op, args = FAKE_CASES[case]
+    assert_fake_refuses_as_cpu(getattr(tk.ops, op), *args())

@@ -19,7 +19,7 @@ import operator
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import info
+from ._ggml_runtime import check_dtype, dtype_name, info
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -102,25 +102,37 @@ def top_k_ggml(
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
-# They check what can be checked from shapes and dtypes, so a compiled call fails as an eager one.
+# They check what can be checked from shapes and dtypes, with the kernel's words, so a compiled call
+# fails as an eager one.
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_fake(logits, k, softmax, normalize):
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"logits must have dtype Float, BFloat16, Half; got {logits.dtype}")
+    check_dtype(logits, _FLOAT_DTYPES, "logits")
     if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D (tokens, experts), got shape {tuple(logits.shape)}")
+        raise ValueError(f"logits must be 2-D (tokens, experts), got shape {list(logits.shape)}")
     if k < 1:
         raise ValueError(f"k must be at least 1, got k={k}")
     if k > logits.shape[1]:
-        raise ValueError(f"k={k} is larger than the number of experts ({logits.shape[1]})")
+        raise ValueError(f"k={k} is larger than the number of experts ({logits.shape[1]}, logits shape "
+                         f"{list(logits.shape)})")
     if normalize and not softmax:
-        raise ValueError("normalize=True needs softmax=True")
+        raise ValueError("normalize=True needs softmax=True (renormalising raw logits is not defined)")
+
+
+def _check_out_dtypes(dtype, index_dtype):
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype (of the weights) must be float32, bfloat16 or float16, got {dtype_name(dtype)}")
+    if index_dtype is not None and index_dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"index_dtype must be int64 or int32, got {dtype_name(index_dtype)}")
 
 
 @torch.library.register_fake(add_op_namespace_prefix("top_k"))
 def _top_k_fake(logits, k, softmax=True, normalize=False, dtype=None, index_dtype=None):
     _check_fake(logits, k, softmax, normalize)
+    _check_out_dtypes(dtype, index_dtype)
     shape = (logits.shape[0], k)
     return (
         logits.new_empty(shape, dtype=dtype or logits.dtype),
