@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from tools.testing.kernel_testing import assert_fake_refuses_as_cpu
+
 N = 64
 
 
@@ -72,10 +74,9 @@ def test_bad_eps(gn, x, eps):
 
 
 def test_bad_l2_mode(gn, x):
-    with pytest.raises(ValueError, match="mode must be one of"):
-        gn.l2_norm(x, mode="max")
-    with pytest.raises(ValueError, match=r"mode must be \"clamp\" .* or \"rsqrt\""):
-        gn.ops.l2_norm(x, 1e-6, "max")
+    for call in (lambda: gn.l2_norm(x, mode="max"), lambda: gn.ops.l2_norm(x, 1e-6, "max")):
+        with pytest.raises(ValueError, match=r"mode must be \"clamp\" .* or \"rsqrt\" .*, got \"max\""):
+            call()
 
 
 def test_flag_combinations(gn, x):
@@ -122,3 +123,38 @@ def test_errors_leave_the_op_usable(gn, x):
     with pytest.raises(ValueError):
         gn.rms_norm(x, torch.ones(N + 1))
     torch.testing.assert_close(gn.rms_norm(x), gn.reference.rms_norm(x), rtol=1e-6, atol=1e-6)
+
+
+# Each case is an op of torch.ops (as a compiled graph calls it) and its arguments: the kernel refuses
+# them on the CPU, and the fake implementation (what torch.compile traces with) refuses the same
+# arguments as meta tensors with the same exception type and message.
+def _t(*shape, dtype=torch.float32):
+    return torch.zeros(shape, dtype=dtype)
+
+
+FAKE_CASES = {
+    "rms_norm x 0-D": ("rms_norm", lambda: (_t(), None, None, 1e-6, False, False)),
+    "rms_norm x int": ("rms_norm", lambda: (_t(3, N, dtype=torch.int32), None, None, 1e-6, False, False)),
+    "rms_norm eps negative": ("rms_norm", lambda: (_t(3, N), None, None, -1.0, False, False)),
+    "rms_norm eps nan": ("rms_norm", lambda: (_t(3, N), None, None, math.nan, False, False)),
+    "rms_norm weight size": ("rms_norm", lambda: (_t(3, N), _t(N + 1), None, 1e-6, False, False)),
+    "rms_norm weight 2-D": ("rms_norm", lambda: (_t(3, N), _t(1, N), None, 1e-6, False, False)),
+    "rms_norm bias dtype": ("rms_norm", lambda: (_t(3, N), None, _t(N, dtype=torch.float64), 1e-6, False, False)),
+    "rms_norm zero_centered no weight": ("rms_norm", lambda: (_t(3, N), None, None, 1e-6, True, False)),
+    "rms_norm cast_before_weight no weight": ("rms_norm", lambda: (_t(3, N), None, None, 1e-6, False, True)),
+    "rms_norm cast_before_weight bias": ("rms_norm", lambda: (_t(3, N), _t(N), _t(N), 1e-6, False, True)),
+    "rms_norm_gated z shape": ("rms_norm_gated", lambda: (_t(3, N), _t(3, 1), _t(N), 1e-6, True)),
+    "rms_norm_gated z dtype": ("rms_norm_gated", lambda: (_t(3, N), _t(3, N, dtype=torch.int64), _t(N), 1e-6, True)),
+    "rms_norm_gated weight size": ("rms_norm_gated", lambda: (_t(3, N), _t(3, N), _t(N - 1), 1e-6, True)),
+    "rms_norm_gated eps": ("rms_norm_gated", lambda: (_t(3, N), _t(3, N), _t(N), math.inf, True)),
+    "l2_norm mode": ("l2_norm", lambda: (_t(3, N), 1e-6, "max")),
+    "l2_norm x 0-D": ("l2_norm", lambda: (_t(), 1e-6, "clamp")),
+    "l2_norm x float64": ("l2_norm", lambda: (_t(3, N, dtype=torch.float64), 1e-6, "rsqrt")),
+    "l2_norm eps negative": ("l2_norm", lambda: (_t(3, N), -1e-6, "clamp")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKE_CASES))
+def test_fake_refuses_what_the_kernel_refuses(gn, case):
+    op, args = FAKE_CASES[case]
+    assert_fake_refuses_as_cpu(getattr(gn.ops, op), *args())

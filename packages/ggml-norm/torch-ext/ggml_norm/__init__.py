@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import info, same_device
+from ._ggml_runtime import check_dtype, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 L2_NORM_MODES = ("clamp", "rsqrt")
+_MODE_ERROR = ('mode must be "clamp" (x / max(||x||, eps), ggml\'s l2_norm) or "rsqrt" (x / sqrt(||x||^2 + eps), '
+               'transformers\' l2norm), got "{mode}"')
 
 
 
@@ -81,48 +83,47 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6, mode: str = "clamp") -> torch.Te
     ||x|| = eps.
     """
     if mode not in L2_NORM_MODES:
-        raise ValueError(f"mode must be one of {L2_NORM_MODES}, got {mode!r}")
+        raise ValueError(_MODE_ERROR.format(mode=mode))
     return ops.l2_norm(x, float(eps), mode)
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
-# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here.
+# Mixed devices dispatch here too (the meta key outranks the others), so they are refused here; the
+# kernel's other shape and dtype rules are checked here with its words, so a traced call fails as an
+# eager one.
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
-def _check_float(op: str, name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: {name} must have dtype Float, BFloat16, Half; got {t.dtype}")
-
-
-def _check_common(op: str, x: torch.Tensor, eps: float) -> None:
-    _check_float(op, "x", x)
+def _check_common(x: torch.Tensor, eps: float) -> None:
+    check_dtype(x, _FLOAT_DTYPES, "x")
     if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least one dim (..., n), got a 0-D tensor")
+        raise ValueError("x must have at least one dim (..., n), got a 0-D tensor")
     if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps}")
+        raise ValueError(f"eps must be a finite number >= 0, got {eps:g}")
 
 
-def _check_vector(op: str, name: str, t: torch.Tensor, n: int) -> None:
-    _check_float(op, name, t)
+def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
+    check_dtype(t, _FLOAT_DTYPES, name)
     if t.dim() != 1 or t.shape[0] != n:
-        raise ValueError(f"{op}: {name} must be 1-D with {n} values (x's last dim), got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must be 1-D with {n} values (x's last dim), got shape {list(t.shape)}")
 
 
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm"))
 def _rms_norm_fake(x, weight, bias, eps, zero_centered, cast_before_weight):
     same_device("rms_norm", x=x, weight=weight, bias=bias)
-    _check_common("rms_norm", x, eps)
+    _check_common(x, eps)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
-            _check_vector("rms_norm", name, t, x.shape[-1])
+            _check_vector(name, t, x.shape[-1])
     if zero_centered and weight is None:
-        raise ValueError("rms_norm: zero_centered needs a weight")
+        raise ValueError("zero_centered needs a weight: it computes norm(x) * (1 + weight)")
     if cast_before_weight:
-        if weight is None or zero_centered or bias is not None:
-            raise ValueError("rms_norm: cast_before_weight needs a weight, takes no bias and cannot be zero_centered")
+        if weight is None:
+            raise ValueError("cast_before_weight needs a weight: it computes weight * norm(x).to(x.dtype)")
+        if zero_centered or bias is not None:
+            raise ValueError("cast_before_weight (Llama's rounding: weight * norm(x).to(x.dtype)) takes no bias "
+                             "and cannot be zero_centered")
         return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     return x.new_empty(x.shape)
 
@@ -130,17 +131,17 @@ def _rms_norm_fake(x, weight, bias, eps, zero_centered, cast_before_weight):
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm_gated"))
 def _rms_norm_gated_fake(x, z, weight, eps, cast_before_weight):
     same_device("rms_norm_gated", x=x, z=z, weight=weight)
-    _check_common("rms_norm_gated", x, eps)
-    _check_float("rms_norm_gated", "z", z)
+    _check_common(x, eps)
+    check_dtype(z, _FLOAT_DTYPES, "z")
     if z.shape != x.shape:
-        raise ValueError(f"rms_norm_gated: z (the gate) must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
-    _check_vector("rms_norm_gated", "weight", weight, x.shape[-1])
+        raise ValueError(f"z (the gate) must have x's shape {list(x.shape)}, got {list(z.shape)}")
+    _check_vector("weight", weight, x.shape[-1])
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("l2_norm"))
 def _l2_norm_fake(x, eps, mode):
-    _check_common("l2_norm", x, eps)
+    _check_common(x, eps)
     if mode not in L2_NORM_MODES:
-        raise ValueError(f"l2_norm: mode must be one of {L2_NORM_MODES}, got {mode!r}")
+        raise ValueError(_MODE_ERROR.format(mode=mode))
     return x.new_empty(x.shape)
