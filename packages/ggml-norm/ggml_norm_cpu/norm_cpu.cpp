@@ -16,7 +16,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -96,6 +98,32 @@ ggml_tensor* cast_to(Graph& g, ggml_tensor* t, ggml_type type) {
 // t (float32) rounded to `type` and back: what torch's `t.to(dtype)` does to the values.
 ggml_tensor* round_to(Graph& g, ggml_tensor* t, ggml_type type) {
   return type == GGML_TYPE_F32 ? t : cast_to(g, cast_to(g, t, type), GGML_TYPE_F32);
+}
+
+// F.normalize's NaN for clamp mode: a row holding NaN has a NaN norm, so all of its outputs are NaN.
+// ggml's l2_norm clamps the norm with fmaxf, which drops the NaN (the norm becomes eps), and scales the
+// row's other values by 1 / eps. A NaN input always gives a NaN output at its place, so only rows
+// whose output holds NaN are looked at again (a row holding inf but no NaN gives NaN at the inf, 0
+// elsewhere, as F.normalize does, and is left alone).
+template <typename T>
+bool has_nan(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] != p[i]) return true;
+  return false;
+}
+
+void nan_rows_like_normalize(const at::Tensor& x, at::Tensor& out, int64_t r0, int64_t r1) {
+  const int64_t n = out.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "ggml_l2_norm_nan", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();  // contiguous: made by the op
+    for (int64_t r = r0; r < r1; ++r) {
+      scalar_t* row = o + r * n;
+      if (!has_nan(row, n)) continue;
+      if (x.reshape({-1, n}).select(0, r).isnan().any().item<bool>()) {  // rare: a copy is fine
+        std::fill(row, row + n, std::numeric_limits<scalar_t>::quiet_NaN());
+      }
+    }
+  });
 }
 
 // fn(row0, row1) over slices of `rows` rows of n values: at least kMinChunkBytes each, and for
@@ -210,6 +238,7 @@ at::Tensor l2_norm_cpu(const at::Tensor& x, double eps, c10::string_view mode) {
       y = G.ggml_scale(g.ctx(), y, static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
     }
     out_rows.compute(g, cast_to(g, y, x_type), r0, r1);
+    if (clamp) nan_rows_like_normalize(x, out, r0, r1);
   });
   return out;
 }

@@ -195,6 +195,31 @@ def test_l2_norm_clamp_is_torch_normalize(gn, assert_ulps, eps):
     assert_ulps(gn.l2_norm(x, eps=eps), F.normalize(x, dim=-1, eps=eps), F32_ULPS)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("mode", ["clamp", "rsqrt"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS.get)
+def test_l2_norm_nan_and_inf_rows_are_torch_normalize(gn, dtype, mode):
+    """A row holding NaN has a NaN norm, so F.normalize (and the reference) make all of it NaN;
+    ggml's l2_norm clamps that NaN norm to eps (fmaxf drops NaN) and scaled the row's other values by
+    1 / eps ([1, 2, nan, 3] -> [1e6, 2e6, nan, 3e6]): the op matches the reference. A row holding
+    inf but no NaN is NaN at the inf and 0 elsewhere in both. Rows many enough for several slices."""
+    x = make((3000, 4), torch.float32)
+    x[:6] = torch.tensor([[1, 2, NAN, 3], [0, 0, NAN, 0], [1, INF, 2, 0], [NAN, INF, 1, 1], [-INF, INF, 0, 1], [1, 2, 2, 4]])
+    x[1234, 3] = x[2999, 0] = NAN
+    xt = x.to(dtype)
+    out = gn.l2_norm(xt, eps=1e-6, mode=mode)
+    ref = gn.reference.l2_norm(xt, eps=1e-6, mode=mode)
+    if mode == "clamp":
+        torch.testing.assert_close(ref, F.normalize(xt.float(), dim=-1, eps=1e-6).to(dtype), equal_nan=True)
+    assert torch.equal(out.isnan(), ref.isnan()), out[:6]
+    assert out[[0, 1, 3, 1234, 2999]].isnan().all()
+    torch.testing.assert_close(out[~ref.isnan()], ref[~ref.isnan()], rtol=ULP_REL[dtype] * 4, atol=0)
+    # a non-contiguous x takes the same path
+    torch.testing.assert_close(gn.l2_norm(xt.t().contiguous().t(), 1e-6, mode), out, rtol=0, atol=0, equal_nan=True)
+
+
 def test_l2_norm_rsqrt_is_transformers_l2norm(gn, assert_ulps):
     """mode="rsqrt" is transformers' (FLA's) l2norm of Qwen3.5's gated delta net."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm
