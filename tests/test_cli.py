@@ -13,6 +13,8 @@ import ggml_kernels_integration  # noqa: F401, E402  (installed by nox: missing,
 from tools.models import make_gguf
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh process per command, whole models
+
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")

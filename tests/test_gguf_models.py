@@ -34,6 +34,8 @@ except ImportError:  # the oracle is optional: its parts of these tests are skip
 
 needs_llama = pytest.mark.skipif(llama_cpp is None, reason="llama-cpp-python (llama.cpp b11312) is not installed")
 
+pytestmark = pytest.mark.slow  # whole models in transformers and llama.cpp
+
 DENSE, MOE = "qwen35-tiny", "qwen35moe-tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was a little model that"
 TEXTS = [

@@ -48,6 +48,8 @@ import llama_cpp  # noqa: F401  (the oracle here: nox installs llama.cpp b11312;
 import pytest
 from tools.testing.kernel_testing import fresh_process
 
+pytestmark = pytest.mark.slow  # whole models, each in a fresh process
+
 CODE = """
 import json, os, sys
 import numpy as np, torch

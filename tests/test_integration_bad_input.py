@@ -200,6 +200,7 @@ print("RESULT" + json.dumps(res))
 """
 
 
+@pytest.mark.slow  # a fresh process
 def test_transformers_load_fails_cleanly_after_enable(bad_files):
     files = {name: str(path) for name, path in bad_files.items()}
     proc = fresh_process(f"FILES = {files!r}\n" + CODE)

@@ -94,6 +94,7 @@ def test_native_bf16_reads_the_cpu_flags():
     assert dense_prefill.native_bf16() == bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
+@pytest.mark.slow  # a fresh process
 def test_enable_switches_it():
     """`enable(dense_prefill=False)` keeps every prefill matmul on ggml; a later `enable()` turns the
     path back on (enable() patches transformers for the whole process: a fresh one)."""

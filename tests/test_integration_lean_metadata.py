@@ -30,6 +30,7 @@ def loaders():
     assert (gguf_utils.load_gguf_checkpoint, GGUFReader._get_field_parts) == (original_load, original_parts)
 
 
+@pytest.mark.slow  # reads the real SmolLM2 file's metadata twice
 def test_same_config_and_tokenizer_as_gguf_py_parts(loaders):
     original, lean = loaders
     path = str(smollm2.gguf_path())
@@ -43,6 +44,7 @@ def test_same_config_and_tokenizer_as_gguf_py_parts(loaders):
     assert got["config"]["vocab_size"] == 49152
 
 
+@pytest.mark.slow
 def test_compact_parts_only_inside_a_config_read(loaders):
     """Outside the wrapped call (another caller of GGUFReader, or another thread) the reader makes
     gguf-py's own memory-mapped parts; inside, string elements are bytes."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tools.testing.kernel_testing import fresh_process
 
 CODE = """
@@ -60,6 +62,7 @@ print("RESULT" + json.dumps(dict(file=summary.file_bytes, quantized=quantized, f
 """
 
 
+@pytest.mark.slow  # a 0.8B model in a fresh process
 def test_packed_load_holds_no_dense_copy():
     proc = fresh_process(CODE)
     assert proc.returncode == 0, proc.stderr[-3000:]
