@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tools import REPO
 
-from . import ggml_runtime, upstream
+from . import ggml_runtime, sanitize, upstream
 from . import ninja_build as ninja
 
 COMMON = REPO / "common"
@@ -77,6 +77,7 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
     if "cpu" not in general.get("backends", []) or not cpu_kernels:
         raise ValueError(f"{name}: build.toml declares no cpu backend")
 
+    sanitize.refuse_checkout(REPO)
     runtime = ggml_runtime.build(jobs)
     tree = upstream.ggml_tree()
     sources = [pkg / s for s in spec["torch"]["src"]]
@@ -86,14 +87,16 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
 
     variant = torch_variant()
-    ext_id = f"_{py_name}_cpu_{_hash_files(sources + headers, torch.__version__)}"
+    recipe = torch.__version__ + "".join(sanitize.compile_flags())  # a sanitized build gets its own id
+    ext_id = f"_{py_name}_cpu_{_hash_files(sources + headers, recipe)}"
     work = pkg / "build" / ".ninja" / variant
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
                  f"-I{pkg / 'torch-ext'}"]
     includes += [f"-I{pkg / d}" for k in cpu_kernels.values() for d in k.get("include", [])]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = CXXFLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={ext_id}"] + includes
+    flags = CXXFLAGS + sanitize.compile_flags() + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    flags += [f"-DTORCH_EXTENSION_NAME={ext_id}"] + includes
     torch_lib = Path(torch.__file__).parent / "lib"
 
     n = ninja.NinjaFile()
@@ -112,6 +115,7 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
         objs.append(obj)
     so = work / f"{ext_id}.abi3.so"
     ldflags = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lgomp", "-Wl,-z,noexecstack", "-ldl"]
+    ldflags += sanitize.link_flags()
     n.build(so, "link", objs, variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
     ninja.run(work, jobs)

@@ -21,7 +21,7 @@ from pathlib import Path
 from tools import REPO
 
 from . import ninja_build as ninja
-from . import upstream
+from . import sanitize, upstream
 
 COMMON = REPO / "common"
 
@@ -77,7 +77,7 @@ def selected_variants() -> list[str]:
 
 def runtime_dir() -> Path:
     """Cache folder of the built runtime, one per pin; ninja rebuilds what a recipe change touches."""
-    return upstream.ggml_tree().parent / "runtime"
+    return upstream.ggml_tree().parent / ("runtime-sanitize" if sanitize.enabled() else "runtime")
 
 
 def build(jobs: int | None = None) -> Path:
@@ -107,7 +107,7 @@ def build(jobs: int | None = None) -> Path:
             objs.append(obj)
         return objs
 
-    defs = [f"-D{d}" for d in DEFINES]
+    defs = [f"-D{d}" for d in DEFINES] + sanitize.compile_flags()
     # ggml-base holds no SIMD code worth specialising: compiled once, linked into every variant.
     base_objs = compile_all(BASE_SOURCES, "base", COMMON_FLAGS + defs + includes)
     compat_objs = [out / "obj" / "glibc_compat.o", out / "obj" / "glibcxx_compat.o"]
@@ -115,7 +115,7 @@ def build(jobs: int | None = None) -> Path:
     n.build(compat_objs[1], "cxx", COMMON / "glibcxx_compat.cpp", variables={"flags": ninja.quote(COMMON_FLAGS)})
     ldflags = [
         "-Wl,-Bsymbolic",
-        "-Wl,--no-undefined", "-Wl,-z,noexecstack", "-pthread", "-lm", "-ldl",
+        "-Wl,--no-undefined", "-Wl,-z,noexecstack", "-pthread", "-lm", "-ldl", *sanitize.link_flags(),
     ]
     libs = []
     for name in selected_variants():

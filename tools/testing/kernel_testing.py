@@ -86,7 +86,7 @@ def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | 
 
     via: "get_kernel" (kernels.get_kernel with LOCAL_KERNELS) or "get_local_kernel" (the package
     folder). level: force a ggml CPU level (GGML_KERNELS_CPU_VARIANT); pytest skips a level this CPU
-    lacks."""
+    lacks or this build does not carry (GGML_KERNELS_CPU_VARIANTS, the sanitized build)."""
     import json
     import textwrap
 
@@ -95,6 +95,8 @@ def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | 
     if level is not None and not cpu_has_level(level):
         pytest.skip(f"this CPU has no {ggml_runtime.CPUINFO_FLAG[level]}")
     path = hub_ids()[repo_id]
+    if level is not None and not (variant_dir(path.name) / f"{ggml_runtime.LIB_PREFIX}{level}.so").exists():
+        pytest.skip(f"this build carries no {level} runtime (GGML_KERNELS_CPU_VARIANTS)")
     load = {
         "get_kernel": f"k = kernels.get_kernel({repo_id!r}, version=1, **{backend_kwargs()!r})",
         "get_local_kernel": f"k = kernels.get_local_kernel(Path({str(path)!r}), **{backend_kwargs()!r})",
