@@ -4,6 +4,7 @@
     nox -s tests                      # the test matrix: every test once, the fast tier on every torch
     nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
     nox -s lint                       # ruff and clang-format, checking only (-- --fix rewrites the files)
+    nox -s sanitize                   # the fast tier on AddressSanitizer + UBSan builds (-- pytest args)
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
     nox -s demo                       # the main job (README)
     nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
@@ -84,6 +85,16 @@ def tests(session: nox.Session, torch: str) -> None:
     _build(session)
     tier = [] if torch == SLOW_TIER_TORCH else ["-m", "not slow"]
     session.run("python", "-m", "pytest", *tier, *session.posargs, env=_env(session))
+
+
+@nox.session
+def sanitize(session: nox.Session) -> None:
+    """The fast tier on AddressSanitizer + UBSan builds of our C++ and ggml's CPU backend, made in a
+    copy of this checkout (.nox/sanitize-tree) so they never replace the ordinary builds
+    (tools/build/sanitize.py; needs gcc's libasan). Arguments after -- go to pytest instead."""
+    _install(session, TORCH[0], *TEST_DEPS)
+    _install_llama_cpp(session)
+    session.run("python", "-m", "tools.build.sanitize", *session.posargs, env=_env(session))
 
 
 LINT_DEPS = ["ruff==0.17.6", "clang-format==23.1.5"]
