@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,18 +19,29 @@ def variant_dirs(path):
     return sorted(p for p in (path / "build").glob("torch*-cpu-*") if p.is_dir())
 
 
-@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
-def test_get_kernel_in_fresh_process(repo_id):
+def result_of(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
+
+
+@pytest.fixture(scope="module")
+def fresh_loads():
+    """Every package loaded through get_kernel in one fresh process (one interpreter start for all
+    five): repo id -> its `__all__` and the names of it the module lacks."""
     code = f"""
 import json, kernels
-k = kernels.get_kernel({repo_id!r}, version=1, **{backend_kwargs()!r})
-missing = [n for n in k.__all__ if not hasattr(k, n)]
-print("RESULT" + json.dumps({{"missing": missing, "all": sorted(k.__all__)}}))
+res = {{}}
+for repo_id in {sorted(PACKAGES)!r}:
+    k = kernels.get_kernel(repo_id, version=1, **{backend_kwargs()!r})
+    res[repo_id] = {{"missing": [n for n in k.__all__ if not hasattr(k, n)], "all": sorted(k.__all__)}}
+print("RESULT" + json.dumps(res))
 """
-    env = dict(os.environ, LOCAL_KERNELS=local_kernels_env(), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
+    return result_of(fresh_process(code, {"LOCAL_KERNELS": local_kernels_env()}))
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_get_kernel_in_fresh_process(fresh_loads, repo_id):
+    res = fresh_loads[repo_id]
     assert res["all"] and res["missing"] == []
 
 
@@ -100,14 +108,26 @@ def test_abi(repo_id):
                 assert list(obj.check_python_abi("3.9")) == [], so.name
 
 
-@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
-def test_unknown_forced_cpu_level_is_a_clear_error(repo_id):
-    """GGML_KERNELS_CPU_VARIANT naming no level we build: a Python exception, not a crash."""
+@pytest.fixture(scope="module")
+def unknown_level_loads():
+    """Every package loaded with GGML_KERNELS_CPU_VARIANT naming no level we build, in one fresh
+    process: repo id -> the exception raised (a crash would end the process, and every test)."""
     code = f"""
+import json
 from tools.testing.kernel_testing import load_kernel, point_hub_ids_at_local_builds
 point_hub_ids_at_local_builds()
-load_kernel({repo_id!r}).info()
+res = {{}}
+for repo_id in {sorted(PACKAGES)!r}:
+    try:
+        res[repo_id] = repr(load_kernel(repo_id).info())
+    except Exception as e:
+        res[repo_id] = f"{{type(e).__name__}}: {{e}}"
+print("RESULT" + json.dumps(res))
 """
-    proc = fresh_process(code, {"GGML_KERNELS_CPU_VARIANT": "pentium"})
-    assert proc.returncode == 1
-    assert "no usable ggml CPU runtime for GGML_KERNELS_CPU_VARIANT=pentium" in proc.stderr
+    return result_of(fresh_process(code, {"GGML_KERNELS_CPU_VARIANT": "pentium"}))
+
+
+@pytest.mark.parametrize("repo_id", sorted(PACKAGES))
+def test_unknown_forced_cpu_level_is_a_clear_error(unknown_level_loads, repo_id):
+    """GGML_KERNELS_CPU_VARIANT naming no level we build: a Python exception, not a crash."""
+    assert "no usable ggml CPU runtime for GGML_KERNELS_CPU_VARIANT=pentium" in unknown_level_loads[repo_id]
