@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import ggml_kernels_integration  # noqa: F401, E402  (installed by nox: missing, these tests fail, not skip)
-from tools.models import make_gguf
 import pytest
+
+from tools.models import make_gguf
 
 pytestmark = pytest.mark.slow  # a fresh process per command, whole models
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.models import make_gguf
 import numpy as np
 import pytest
+
+from tools.models import make_gguf
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from tools.testing.kernel_testing import CPU_LEVELS, backend_kwargs, fresh_process, hub_ids, local_kernels_env
 
 PACKAGES = hub_ids()
