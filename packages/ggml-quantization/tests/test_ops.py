@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from tools.testing.kernel_testing import run_fresh
+
 MATMUL_RTOL = 2e-3
 ROWS = 37  # odd on purpose
 
@@ -125,6 +127,35 @@ def test_mul_mat_larger_m(gq, t, m):
     out = gq.mul_mat(blocks, x, t, ROWS)
     ref = gq.reference.mul_mat_emulated(blocks, x, t, ROWS)
     assert rel_err(out, ref) < MATMUL_RTOL
+
+
+# NaN in an activation row (README, Semantics): with a quantized weight ggml first converts the row to
+# 8 bits (Q8_0 / Q8_1 / Q8_K), whose block maximum skips NaN on most code paths, so the row's outputs
+# are finite numbers without meaning, or NaN, by type, CPU level and the NaN's place (Q8_K, the K- and
+# IQ-quants' activation type: finite on every level); float weights give NaN. Other rows are not
+# touched, and llama.cpp's own ggml computes the same, values included.
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("t", [0, 1, 30, 2, 3, 8, 12, 14, 16, 20], ids=lambda t: TYPE_IDS[t])
+def test_nan_activations_as_ggml(gq, t, m):
+    from tools.testing import ggml_ctypes
+
+    blocks, cols = make_weights(gq, t, rows=16)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(5))
+    x[0, 5] = float("nan")
+    out = gq.mul_mat(blocks, x, t, 16)
+    assert torch.equal(out.isnan(), gq.mul_mat_group([blocks], x, [t], [16])[0].isnan())
+    if m > 1:
+        torch.testing.assert_close(out[1:], gq.mul_mat(blocks, x[1:], t, 16), rtol=1e-6, atol=1e-5)
+    vec_dot = gq.type_info(t).vec_dot_type
+    if vec_dot in (gq.GGMLType.F32, gq.GGMLType.F16, gq.GGMLType.BF16):
+        assert out[0].isnan().all()
+    elif vec_dot == gq.GGMLType.Q8_K:
+        assert out[0].isfinite().all()
+    # llama.cpp's ggml (built for this CPU) takes the same SIMD paths unless the baseline level is forced
+    if ggml_ctypes.available() and gq.info()["cpu_variant"] != "x64":
+        ref = torch.from_numpy(ggml_ctypes.MulMat(blocks.numpy(), t, cols, m)(x.numpy()))
+        assert torch.equal(out.isnan(), ref.isnan())
+        torch.testing.assert_close(out[~out.isnan()], ref[~ref.isnan()], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -326,6 +357,75 @@ def test_quantize_rejects_nan(gq):
     x[1, 7] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         gq.quantize(x, "Q4_K")
+
+
+# ggml's grid-search quantizers abort the process on finite inputs or importances beyond float32's
+# reach in their search; quantize refuses those above 2^32 first (the limit and the fuzzing behind it:
+# quantization_cpu.cpp, README). Run in a fresh process: a regression would end it, not this one.
+GRID_SEARCH_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+
+
+def test_quantize_probe_inputs_are_refused_not_aborted():
+    res = run_fresh("ggml-org/ggml-quantization", """
+        import os, torch
+        os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort ends the process at once
+        spike = torch.zeros(1, 256)
+        spike[0, 5] = 1e30
+        calls = [lambda: k.quantize(torch.full((1, 256), 3.4028234e38), "IQ1_S", torch.ones(256)),
+                 lambda: k.quantize(spike, "IQ3_XXS"),
+                 lambda: k.quantize(torch.randn(1, 256), "IQ2_XXS", torch.full((256,), 1e30))]
+        res = []
+        for call in calls:
+            try:
+                call()
+                res.append("accepted")
+            except ValueError as e:
+                res.append(str(e))
+    """)
+    assert "IQ1_S quantization takes |x| <= 2^32" in res[0] and "x holds 3.40282e+38" in res[0], res
+    assert "IQ3_XXS quantization takes |x| <= 2^32" in res[1] and "x holds 1e+30" in res[1], res
+    assert "IQ2_XXS quantization takes imatrix values <= 2^32" in res[2], res
+
+
+def test_quantize_grid_search_types_fuzzed():
+    """300 rows per type, constant, gaussian, spiky and all-magnitude, with importances of the same
+    kinds, half of them near the 2^32 limit and the rest anywhere in float32's range: each is refused
+    exactly when it holds a value above the limit, and quantized otherwise (never an abort)."""
+    res = run_fresh("ggml-org/ggml-quantization", f"""
+        import os, torch
+        os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort ends the process at once
+        limit, fmax = 2.0**32, torch.finfo(torch.float32).max
+        g = torch.Generator().manual_seed(0)
+
+        def scale(lo=-20, hi=129):  # 2^e, half the time within 2^4 of the limit
+            near = torch.rand((), generator=g) < 0.5
+            return 2.0 ** float(torch.randint(28, 37, (), generator=g) if near else torch.randint(lo, hi, (), generator=g))
+
+        def row(kind, top):
+            n = torch.randn(256, generator=g, dtype=torch.float64)
+            spikes, full = torch.rand(256, generator=g) < 0.03, n.new_full((256,), top)
+            return [full, n * top / 4, torch.where(spikes, full, n), torch.where(spikes, full, 0.0),
+                    full * 2.0 ** (-60 * torch.rand(256, generator=g, dtype=torch.float64))][kind]
+
+        res = {{}}
+        for name in {GRID_SEARCH_TYPES!r}:
+            wrong = []
+            for case in range(300):
+                x = row(case % 5, scale()) * torch.where(torch.rand(256, generator=g) < 0.5, -1.0, 1.0)
+                x = x.clamp(-fmax, fmax).float().view(1, 256)
+                im = row((case // 5) % 5, scale(-60)).abs() if case % 7 else torch.ones(256, dtype=torch.float64)
+                im = im.clamp(max=fmax).float()
+                outside = x.abs().max().item() > limit or im.max().item() > limit
+                try:
+                    k.quantize(x, name, im)
+                    refused = False
+                except ValueError:
+                    refused = True
+                if refused != outside:
+                    wrong.append(case)
+            res[name] = wrong
+    """)
+    assert res == {name: [] for name in GRID_SEARCH_TYPES}, res
 
 
 # ---------------------------------------------------------------------------------------------
