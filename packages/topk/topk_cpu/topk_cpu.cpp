@@ -309,72 +309,97 @@ struct Job {
   RowErrors* errors;
 };
 
+// Step 1 of a row: its scores in v, whose order is the order of the final weights v[i] * inv (inv
+// returned). NaN (and, with softmax, a row of -inf only) is noted in errors, and the row skipped.
+template <typename T>
+TOPK_INLINE bool row_scores(const Job& job, int64_t r, float* v, float& inv) {
+  const int64_t n = job.n;
+  const RowStats st = load_row(static_cast<const T*>(job.x) + r * job.x_stride, n, v);
+  if (st.nan) {
+    RowErrors::note(job.errors->nan, r);
+    return false;
+  }
+  inv = 1.0f;
+  if (!job.softmax) return true;
+  if (st.max == -kInf) {
+    RowErrors::note(job.errors->all_neg_inf, r);
+    return false;
+  }
+  if (st.pos_inf > 0) {  // softmax's limit: the +inf share 1, the rest get 0
+    for (int64_t i = 0; i < n; ++i) v[i] = v[i] == kInf ? 1.0f : 0.0f;
+    inv = 1.0f / static_cast<float>(st.pos_inf);
+  } else {
+    inv = 1.0f / exp_sum(v, n, st.max);  // torch scales by the reciprocal of the sum too
+  }
+  return true;
+}
+
+// The k experts chosen for a row, largest first: their indices, and their weights in `weights`, or
+// null when the weights are v[idx[j]].
+struct Chosen {
+  const int32_t* idx;
+  const float* weights;
+  float weight(const float* v, int64_t j) const { return weights ? weights[j] : v[idx[j]]; }
+};
+
+// Per-thread room for step 2: the fast path's k + 1 largest (values, indices, final weights).
+struct FastPicks {
+  float values[kFastMaxK + 1], weights[kFastMaxK + 1];
+  int32_t idx[kFastMaxK + 1];
+};
+
+// Step 2: choose. Fast path: the k + 1 largest values all different; then the k chosen and their
+// order are the same for every selection algorithm, torch's included. Otherwise (ties) torch's own
+// algorithm runs on the final values (v scaled by inv in place).
+TOPK_INLINE Chosen choose(const Job& job, float* v, float inv, Scratch& s, FastPicks& fast) {
+  const int64_t n = job.n, k = job.k;
+  if (k <= kFastMaxK) {
+    const int64_t m = std::min(k + 1, n);  // the k chosen and the best one left out
+    largest_m(v, n, m, fast.values, fast.idx, s.bm.data());
+    bool unique = true;
+    for (int64_t j = 0; j < m; ++j) {
+      fast.weights[j] = fast.values[j] * inv;
+      unique &= j == 0 || fast.weights[j] < fast.weights[j - 1];
+    }
+    if (unique) return {fast.idx, fast.weights};
+  }
+  if (inv != 1.0f)
+    for (int64_t i = 0; i < n; ++i) v[i] *= inv;
+  select_top_k(v, n, k, s.idx.data(), s.pairs.data());
+  return {s.idx.data(), nullptr};
+}
+
+// Step 3: the row's k weights (divided by their sum when normalizing, as torch does) and indices.
+TOPK_INLINE void write_row(const Job& job, int64_t r, const Chosen& chosen, const float* v) {
+  const int64_t k = job.k;
+  void* w_row = static_cast<char*>(job.w) + r * k * job.w_es;
+  if (job.normalize) {
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; ++j) total += chosen.weight(v, j);
+    // (total > 0: it holds the row's max)
+    for (int64_t j = 0; j < k; ++j) store_weight(w_row, job.wdt, j, chosen.weight(v, j) / total);
+  } else {
+    for (int64_t j = 0; j < k; ++j) store_weight(w_row, job.wdt, j, chosen.weight(v, j));
+  }
+  if (job.idx64) {
+    auto* out = static_cast<int64_t*>(job.idx) + r * k;
+    for (int64_t j = 0; j < k; ++j) out[j] = chosen.idx[j];
+  } else {
+    auto* out = static_cast<int32_t*>(job.idx) + r * k;
+    for (int64_t j = 0; j < k; ++j) out[j] = chosen.idx[j];
+  }
+}
+
 template <typename T>
 TOPK_INLINE void route_chunk_body(const Job& job, int64_t r0, int64_t r1) {
-  const int64_t n = job.n, k = job.k;
-  const int64_t m = std::min(k + 1, n);  // the k chosen and the best one left out
   thread_local Scratch s;
-  s.reserve(n);
+  s.reserve(job.n);
   float* v = s.v.data();
-  int32_t* idx = s.idx.data();
-  float bv[kFastMaxK + 1], w[kFastMaxK + 1];
-  int32_t bi[kFastMaxK + 1];
+  FastPicks fast;
   for (int64_t r = r0; r < r1; ++r) {
-    const RowStats st = load_row(static_cast<const T*>(job.x) + r * job.x_stride, n, v);
-    if (st.nan) {
-      RowErrors::note(job.errors->nan, r);
-      continue;
-    }
-    // v holds scores whose order is the order of the final values v[i] * inv
-    float inv = 1.0f;
-    if (job.softmax) {
-      if (st.max == -kInf) {
-        RowErrors::note(job.errors->all_neg_inf, r);
-        continue;
-      }
-      if (st.pos_inf > 0) {  // softmax's limit: the +inf share 1, the rest get 0
-        for (int64_t i = 0; i < n; ++i) v[i] = v[i] == kInf ? 1.0f : 0.0f;
-        inv = 1.0f / static_cast<float>(st.pos_inf);
-      } else {
-        inv = 1.0f / exp_sum(v, n, st.max);  // torch scales by the reciprocal of the sum too
-      }
-    }
-    // Fast path: the k + 1 largest values all different. Then the k chosen and their order are
-    // the same for every selection algorithm, torch's included.
-    bool unique = false;
-    const int32_t* sel = bi;
-    if (k <= kFastMaxK) {
-      largest_m(v, n, m, bv, bi, s.bm.data());
-      unique = true;
-      for (int64_t j = 0; j < m; ++j) {
-        w[j] = bv[j] * inv;
-        unique &= j == 0 || w[j] < w[j - 1];
-      }
-    }
-    if (!unique) {  // ties: torch's own algorithm on the final values
-      if (inv != 1.0f)
-        for (int64_t i = 0; i < n; ++i) v[i] *= inv;
-      select_top_k(v, n, k, idx, s.pairs.data());
-      sel = idx;
-    }
-    const float* vals = unique ? w : nullptr;
-    auto value = [&](int64_t j) { return vals ? vals[j] : v[idx[j]]; };
-    void* w_row = static_cast<char*>(job.w) + r * k * job.w_es;
-    if (job.normalize) {
-      float total = 0.0f;
-      for (int64_t j = 0; j < k; ++j) total += value(j);
-      // torch divides each weight by the sum; so do we (total > 0: it holds the row's max)
-      for (int64_t j = 0; j < k; ++j) store_weight(w_row, job.wdt, j, value(j) / total);
-    } else {
-      for (int64_t j = 0; j < k; ++j) store_weight(w_row, job.wdt, j, value(j));
-    }
-    if (job.idx64) {
-      auto* out = static_cast<int64_t*>(job.idx) + r * k;
-      for (int64_t j = 0; j < k; ++j) out[j] = sel[j];
-    } else {
-      auto* out = static_cast<int32_t*>(job.idx) + r * k;
-      for (int64_t j = 0; j < k; ++j) out[j] = sel[j];
-    }
+    float inv;
+    if (!row_scores<T>(job, r, v, inv)) continue;
+    write_row(job, r, choose(job, v, inv, s, fast), v);
   }
 }
 
@@ -415,6 +440,74 @@ at::Tensor dense_rows(const at::Tensor& t) {
   return t.stride(1) == 1 || t.size(1) == 1 ? t : t.contiguous();
 }
 
+// ---- top_k_ggml's steps ----
+
+// The rows ggml's routing cannot take, refused before any graph runs: NaN, and with softmax a row of
+// -inf only or one holding +inf (ggml's soft_max turns it into NaN, which its top_k then takes).
+void refuse_rows_ggml_cannot_route(const at::Tensor& xf, bool softmax) {
+  const int64_t rows = xf.size(0), n = xf.size(1);
+  RowErrors errors;
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    bool nan = false;
+    float mx = -kInf;
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = xp[r * n + i];
+      nan |= f != f;
+      mx = f > mx ? f : mx;
+    }
+    if (nan) RowErrors::note(errors.nan, r);
+    if (softmax && mx == -kInf) RowErrors::note(errors.all_neg_inf, r);
+    if (softmax && mx == kInf) RowErrors::note(errors.pos_inf, r);
+  }
+  errors.raise_if_any(xf);
+  TORCH_CHECK_VALUE(errors.pos_inf.load() == INT64_MAX, "top_k_ggml: token row ",
+                    errors.pos_inf.load(), " holds +inf, which ggml's soft_max turns into NaN (top_k "
+                    "takes it)");
+}
+
+// Rows [r0, r1) of xf (T, E) float32 routed by one ggml graph: soft_max_ext -> top_k -> get_rows
+// [-> sum_rows, div], the k chosen of each row written into weights / idx32 (T, k) in ggml's order.
+void ggml_route_rows(const at::Tensor& xf, int64_t k, bool softmax, bool normalize, int64_t r0, int64_t r1,
+                     at::Tensor& weights, at::Tensor& idx32) {
+  const auto& G = ggml();
+  const int64_t m = r1 - r0, n = xf.size(1);
+  Graph g(16);
+  ggml_context* ctx = g.ctx();
+  ggml_tensor* x = g.view(xf.narrow(0, r0, m));  // {E, m}
+  ggml_tensor* p = softmax ? G.ggml_soft_max_ext(ctx, x, nullptr, 1.0f, 0.0f) : x;
+  ggml_tensor* sel = G.ggml_top_k(ctx, p, static_cast<int>(k));  // I32 {k, m}, in no order
+  sel->data = idx32.narrow(0, r0, m).data_ptr();                 // computed straight into ours
+  ggml_tensor* w = G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, p, 1, n, m), sel);  // {1, k, m}
+  if (normalize) {
+    ggml_tensor* w2 = G.ggml_reshape_2d(ctx, w, k, m);
+    g.compute(G.ggml_div(ctx, w2, G.ggml_sum_rows(ctx, w2)), weights.narrow(0, r0, m));
+  } else {
+    g.compute(w, weights.narrow(0, r0, m).view({m, k, 1}));
+  }
+}
+
+// ggml leaves the k chosen in no particular order: rows [r0, r1) sorted largest first, ties by index.
+void sort_chosen(at::Tensor& weights, at::Tensor& idx32, int64_t r0, int64_t r1) {
+  const int64_t k = weights.size(1);
+  std::vector<int32_t> order(k), irow(k);
+  std::vector<float> wrow(k);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* wr = weights.data_ptr<float>() + r * k;
+    int32_t* ir = idx32.data_ptr<int32_t>() + r * k;
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return wr[a] > wr[b] || (wr[a] == wr[b] && ir[a] < ir[b]);
+    });
+    std::copy(ir, ir + k, irow.begin());
+    std::copy(wr, wr + k, wrow.begin());
+    for (int64_t j = 0; j < k; ++j) {
+      wr[j] = wrow[order[j]];
+      ir[j] = irow[order[j]];
+    }
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_t k, bool softmax,
@@ -445,65 +538,16 @@ std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_
 std::tuple<at::Tensor, at::Tensor> top_k_ggml_cpu(const at::Tensor& logits_in, int64_t k, bool softmax,
                                                   bool normalize) {
   check_args(logits_in, k, softmax, normalize);
-  const int64_t rows = logits_in.size(0), n = logits_in.size(1);
+  const int64_t rows = logits_in.size(0);
   auto weights = at::empty({rows, k}, logits_in.options().dtype(at::kFloat));
   auto idx32 = at::empty({rows, k}, logits_in.options().dtype(at::kInt));
   if (rows == 0) return {weights.to(logits_in.scalar_type()), idx32.to(at::kLong)};
 
-  // ggml's soft_max takes float32 rows; scan them for the inputs it cannot take first
-  const at::Tensor xf = logits_in.to(at::kFloat).contiguous();
-  RowErrors errors;
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    bool nan = false;
-    float mx = -kInf;
-    for (int64_t i = 0; i < n; ++i) {
-      const float f = xp[r * n + i];
-      nan |= f != f;
-      mx = f > mx ? f : mx;
-    }
-    if (nan) RowErrors::note(errors.nan, r);
-    if (softmax && mx == -kInf) RowErrors::note(errors.all_neg_inf, r);
-    if (softmax && mx == kInf) RowErrors::note(errors.pos_inf, r);
-  }
-  errors.raise_if_any(xf);
-  TORCH_CHECK_VALUE(errors.pos_inf.load() == INT64_MAX, "top_k_ggml: token row ",
-                    errors.pos_inf.load(), " holds +inf, which ggml's soft_max turns into NaN (top_k "
-                    "takes it)");
-
-  const auto& G = ggml();
-  parallel_chunks(rows, min_rows_per_task(n), 1, 2, [&](int64_t r0, int64_t r1) {
-    const int64_t m = r1 - r0;
-    Graph g(16);
-    ggml_context* ctx = g.ctx();
-    ggml_tensor* x = g.view(xf.narrow(0, r0, m));  // {E, m}
-    ggml_tensor* p = softmax ? G.ggml_soft_max_ext(ctx, x, nullptr, 1.0f, 0.0f) : x;
-    ggml_tensor* sel = G.ggml_top_k(ctx, p, static_cast<int>(k));  // I32 {k, m}, in no order
-    sel->data = idx32.narrow(0, r0, m).data_ptr();                 // computed straight into ours
-    ggml_tensor* w = G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, p, 1, n, m), sel);  // {1, k, m}
-    if (normalize) {
-      ggml_tensor* w2 = G.ggml_reshape_2d(ctx, w, k, m);
-      g.compute(G.ggml_div(ctx, w2, G.ggml_sum_rows(ctx, w2)), weights.narrow(0, r0, m));
-    } else {
-      g.compute(w, weights.narrow(0, r0, m).view({m, k, 1}));
-    }
-    // ggml leaves the k chosen in no particular order: largest first, ties by index
-    std::vector<int32_t> order(k);
-    std::vector<float> wrow(k);
-    for (int64_t r = r0; r < r1; ++r) {
-      float* wr = weights.data_ptr<float>() + r * k;
-      int32_t* ir = idx32.data_ptr<int32_t>() + r * k;
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-        return wr[a] > wr[b] || (wr[a] == wr[b] && ir[a] < ir[b]);
-      });
-      std::vector<int32_t> irow(ir, ir + k);
-      std::copy(wr, wr + k, wrow.begin());
-      for (int64_t j = 0; j < k; ++j) {
-        wr[j] = wrow[order[j]];
-        ir[j] = irow[order[j]];
-      }
-    }
+  const at::Tensor xf = logits_in.to(at::kFloat).contiguous();  // ggml's soft_max takes float32 rows
+  refuse_rows_ggml_cannot_route(xf, softmax);
+  parallel_chunks(rows, min_rows_per_task(xf.size(1)), 1, 2, [&](int64_t r0, int64_t r1) {
+    ggml_route_rows(xf, k, softmax, normalize, r0, r1, weights, idx32);
+    sort_chosen(weights, idx32, r0, r1);
   });
   return {weights.to(logits_in.scalar_type()), idx32.to(at::kLong)};
 }
