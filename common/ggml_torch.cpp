@@ -56,7 +56,12 @@ int64_t packed_row_bytes(ggml_type type, int64_t cols) {
   TORCH_CHECK_VALUE(cols > 0, "cols must be positive, got ", cols);
   TORCH_CHECK_VALUE(cols % block == 0, "cols=", cols, " is not a multiple of the ",
                     type_name(type), " block size ", block);
-  return static_cast<int64_t>(G.ggml_row_size(type, cols));
+  // blocks * block bytes, checked: ggml_row_size's type_size * cols / block wraps around for cols
+  // near 2^60, and a wrapped size can equal a short row's
+  const int64_t n_blocks = cols / block, block_bytes = static_cast<int64_t>(G.ggml_type_size(type));
+  TORCH_CHECK_VALUE(n_blocks <= INT64_MAX / block_bytes, "cols=", cols, " is too large: ", type_name(type),
+                    " rows of that many values take more than 2^63 - 1 bytes");
+  return n_blocks * block_bytes;
 }
 
 void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name) {

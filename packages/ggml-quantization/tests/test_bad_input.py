@@ -208,6 +208,12 @@ FAKE_CASES = {
     "dequantize cols": ("dequantize", lambda: (_w(), Q4K, N, 2 * K, torch.float32)),
     "dequantize cols not whole blocks": ("dequantize", lambda: (_w(), Q4K, N, K + 1, torch.float32)),
     "dequantize cols 0": ("dequantize", lambda: (_w(), Q4K, N, 0, torch.float32)),
+    # ggml's row size, type_size * cols / block_size, wraps around 2^64 for these cols: to one block's
+    # bytes (Q4_K), to 4 bytes (F32)
+    "dequantize cols overflow": ("dequantize", lambda: (_w(), Q4K, N, 2**60 + K, torch.float32)),
+    "dequantize no rows, cols overflow": ("dequantize", lambda: (_w(0), Q4K, 0, 2**60 + K, torch.float32)),
+    "get_rows cols overflow": ("get_rows", lambda: (_w(), _ids(0), Q4K, 2**60 + K, torch.float32)),
+    "quantize cols overflow": ("quantize", lambda: (_x(1, 1).expand(1, 2**62 + 1), 0, None)),  # F32: 4 bytes
     "dequantize dtype": ("dequantize", lambda: (_w(), Q4K, N, K, torch.int32)),
     "dequantize blocks 3-D": ("dequantize", lambda: (_u8(1, N, 144), Q4K, 1, K, torch.float32)),
     "dequantize blocks int32": ("dequantize", lambda: (torch.zeros(N, 36, dtype=torch.int32), Q4K, N, K, torch.float32)),

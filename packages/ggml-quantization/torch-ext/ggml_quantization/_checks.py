@@ -45,6 +45,9 @@ def row_bytes(info: TypeInfo, cols: int) -> int:
         raise ValueError(f"cols must be positive, got {cols}")
     if cols % info.block_size:
         raise ValueError(f"cols={cols} is not a multiple of the {info.name} block size {info.block_size}")
+    if cols // info.block_size > (2**63 - 1) // info.type_size:
+        raise ValueError(f"cols={cols} is too large: {info.name} rows of that many values take more than "
+                         "2^63 - 1 bytes")
     return cols // info.block_size * info.type_size
 
 
