@@ -9,6 +9,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,14 +22,18 @@ using namespace ggml_kernels;
 
 namespace {
 
-// Values per packed row, from the row's byte size; ValueError if it is not whole blocks.
+// Values per packed row of a product's weight, from the row's byte size; ValueError if it is not whole
+// blocks, or more values than ggml's dot products count (they take the row length as an int).
 int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
   const auto& G = ggml();
   const int64_t rb = blocks.size(-1);
   const int64_t ts = static_cast<int64_t>(G.ggml_type_size(type));
   TORCH_CHECK_VALUE(rb > 0 && rb % ts == 0, name, " rows of ", rb, " bytes are not a whole number of ",
                     type_name(type), " blocks (", ts, " bytes each)");
-  return rb / ts * G.ggml_blck_size(type);
+  const int64_t k = rb / ts * G.ggml_blck_size(type);
+  TORCH_CHECK_VALUE(k <= std::numeric_limits<int32_t>::max(), name, " rows hold ", k, " values; ggml's dot "
+                    "products take at most 2^31 - 1");
+  return k;
 }
 
 // Activations x (..., K) (mul_mat, mul_mat_vec, mul_mat_group: any leading dims, the output keeps

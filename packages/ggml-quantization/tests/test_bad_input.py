@@ -190,6 +190,9 @@ FAKE_CASES = {
     "mul_mat blocks strided": ("mul_mat", lambda: (_u8(N, 288)[:, :144], _x(), Q4K, N)),
     "mul_mat type Q8_K": ("mul_mat", lambda: (_u8(N, 292), _x(), 15, N)),
     "mul_mat type 4": ("mul_mat", lambda: (_w(), _x(), 4, N)),
+    # 2^31 + 128 values a row (Q1_0: 302 MB, never touched): more than ggml's dot products' int counts
+    "mul_mat K over int32": ("mul_mat", lambda: (torch.empty(1, (2**24 + 1) * 18, dtype=torch.uint8),
+                                                 _x(1, 1).expand(1, 2**31 + 128), 41, 1)),
     "mul_mat_vec out_features": ("mul_mat_vec", lambda: (_w(), _x(), Q4K, N - 1)),
     "mul_mat_vec x wrong K": ("mul_mat_vec", lambda: (_w(), _x(3, K + 1), Q4K, N)),
     "mul_mat_group empty": ("mul_mat_group", lambda: ([], _x(), [], [])),

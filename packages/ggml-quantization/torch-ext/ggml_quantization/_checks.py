@@ -52,12 +52,15 @@ def row_bytes(info: TypeInfo, cols: int) -> int:
 
 
 def packed_cols(blocks: torch.Tensor, info: TypeInfo, name: str) -> int:
-    """Values per packed row, from the row's byte size (the kernel's cols_of)."""
+    """Values per packed row of a product's weight, from the row's byte size (the kernel's cols_of)."""
     rb = blocks.shape[-1]
     if rb <= 0 or rb % info.type_size:
         raise ValueError(f"{name} rows of {rb} bytes are not a whole number of {info.name} blocks "
                          f"({info.type_size} bytes each)")
-    return rb // info.type_size * info.block_size
+    k = rb // info.type_size * info.block_size
+    if k > 2**31 - 1:
+        raise ValueError(f"{name} rows hold {k} values; ggml's dot products take at most 2^31 - 1")
+    return k
 
 
 def packed(blocks: torch.Tensor, info: TypeInfo, cols: int, name: str) -> None:
