@@ -3,6 +3,7 @@
     nox -s build                      # every package for every torch
     nox -s tests                      # the test matrix: every test once, the fast tier on every torch
     nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
+    nox -s tests --install-only       # install and build every cell, run no test (.ci/run, first)
     nox -s lint                       # ruff and clang-format, checking only (-- --fix rewrites the files)
     nox -s sanitize                   # the fast tier on AddressSanitizer + UBSan builds (-- pytest args)
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
@@ -46,12 +47,14 @@ def _install(session: nox.Session, torch: str, *extra: str) -> None:
 
 
 def _build(session: nox.Session) -> None:
-    session.run("python", "-m", "tools.build", env=_env(session))
+    """An install step (run_install): `nox --install-only` builds too."""
+    session.run_install("python", "-m", "tools.build", env=_env(session))
 
 
 def _install_llama_cpp(session: nox.Session) -> None:
     """The independent oracle: llama.cpp b11312 via llama-cpp-python, built once and cached."""
-    wheel = session.run("python", "-m", "tools.build.llama_cpp_wheel", silent=True, env=_env(session)).strip().splitlines()[-1]
+    wheel = session.run_install("python", "-m", "tools.build.llama_cpp_wheel", silent=True, env=_env(session))
+    wheel = wheel.strip().splitlines()[-1]
     session.install("--no-deps", wheel)
     session.install(*LLAMA_CPP_DEPS)
 
@@ -72,6 +75,7 @@ def build(session: nox.Session, torch: str) -> None:
 # The slow tier (tests marked `slow`: fresh processes, whole models, the bench tools) runs on this
 # torch only; every torch runs the fast tier, which holds every kernel and ABI test.
 SLOW_TIER_TORCH = TORCH[0]
+SHARED_MODELS = "from tools.models import make_gguf, smollm2; make_gguf.generate('tiny'); smollm2.gguf_path()"
 
 
 @nox.session
@@ -83,6 +87,8 @@ def tests(session: nox.Session, torch: str) -> None:
     _install_llama_cpp(session)
     _install_integration(session)
     _build(session)
+    # the model files the tests share, made before any test runs (.ci/run runs the cells side by side)
+    session.run_install("python", "-c", SHARED_MODELS, env=_env(session))
     tier = [] if torch == SLOW_TIER_TORCH else ["-m", "not slow"]
     session.run("python", "-m", "pytest", *tier, *session.posargs, env=_env(session))
 
@@ -112,8 +118,18 @@ def lint(session: nox.Session) -> None:
     (.clang-format), both checking only; `-- --fix` rewrites the files instead."""
     session.install(*LINT_DEPS)
     fix = "--fix" in session.posargs
-    session.run("ruff", "check", *(["--fix"] if fix else []), ".")
-    session.run("clang-format", "-i" if fix else "--dry-run", "--Werror", *_cxx_sources())
+    checks = {
+        "ruff": ["ruff", "check", *(["--fix"] if fix else []), "."],
+        "clang-format": ["clang-format", "-i" if fix else "--dry-run", "--Werror", *_cxx_sources()],
+    }
+    failed = []
+    for name, command in checks.items():  # each runs, whatever the other found
+        try:
+            session.run(*command)
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"{' and '.join(failed)} found problems (above)")
 
 
 def _install_model_runs(session: nox.Session, *extra: str) -> None:
