@@ -83,8 +83,8 @@ Runtime* load_runtime() {
     auto* rt = new Runtime();
     rt->variant = v.name;
     rt->path = path;
-#define GGML_KERNELS_RESOLVE(name)                                                        \
-  rt->api.name = reinterpret_cast<decltype(rt->api.name)>(dlsym(handle, #name));          \
+#define GGML_KERNELS_RESOLVE(name)                                               \
+  rt->api.name = reinterpret_cast<decltype(rt->api.name)>(dlsym(handle, #name)); \
   TORCH_CHECK(rt->api.name != nullptr, "ggml-kernels: ", path, " does not export " #name);
     GGML_KERNELS_API_FUNCTIONS(GGML_KERNELS_RESOLVE)
 #undef GGML_KERNELS_RESOLVE
@@ -127,8 +127,8 @@ struct Pool {
     }
     plan.work_data = work.get();
     const ggml_status status = G.ggml_graph_compute(graph, &plan);
-    TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-kernels: ggml_graph_compute failed with status ",
-                static_cast<int>(status));
+    TORCH_CHECK(status == GGML_STATUS_SUCCESS,
+                "ggml-kernels: ggml_graph_compute failed with status ", static_cast<int>(status));
   }
 
   ~Pool() {

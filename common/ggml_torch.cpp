@@ -38,8 +38,8 @@ void check_contiguous(const at::Tensor& t, const char* name) {
 }
 
 namespace {
-constexpr int kStorageTypes[] = {0,  1,  2,  3,  6,  7,  8,  10, 11, 12, 13, 14, 16, 17, 18, 19,
-                                 20, 21, 22, 23, 29, 30, 34, 35, 39, 40, 41, 42};
+constexpr int kStorageTypes[] = {0,  1,  2,  3,  6,  7,  8,  10, 11, 12, 13, 14, 16, 17,
+                                 18, 19, 20, 21, 22, 23, 29, 30, 34, 35, 39, 40, 41, 42};
 }
 
 ggml_type check_storage_type(int64_t type_id) {
@@ -54,12 +54,13 @@ int64_t packed_row_bytes(ggml_type type, int64_t cols) {
   const auto& G = ggml();
   const int64_t block = G.ggml_blck_size(type);
   TORCH_CHECK_VALUE(cols > 0, "cols must be positive, got ", cols);
-  TORCH_CHECK_VALUE(cols % block == 0, "cols=", cols, " is not a multiple of the ",
-                    type_name(type), " block size ", block);
+  TORCH_CHECK_VALUE(cols % block == 0, "cols=", cols, " is not a multiple of the ", type_name(type),
+                    " block size ", block);
   // blocks * block bytes, checked: ggml_row_size's type_size * cols / block wraps around for cols
   // near 2^60, and a wrapped size can equal a short row's
   const int64_t n_blocks = cols / block, block_bytes = static_cast<int64_t>(G.ggml_type_size(type));
-  TORCH_CHECK_VALUE(n_blocks <= INT64_MAX / block_bytes, "cols=", cols, " is too large: ", type_name(type),
+  TORCH_CHECK_VALUE(n_blocks <= INT64_MAX / block_bytes, "cols=", cols,
+                    " is too large: ", type_name(type),
                     " rows of that many values take more than 2^63 - 1 bytes");
   return n_blocks * block_bytes;
 }
@@ -67,8 +68,8 @@ int64_t packed_row_bytes(ggml_type type, int64_t cols) {
 void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name) {
   check_cpu(blocks, name);
   check_dtype(blocks, {at::kByte}, name);
-  TORCH_CHECK_VALUE(blocks.dim() >= 2, name, " must be (rows, row_bytes) packed GGUF data, got shape ",
-                    blocks.sizes());
+  TORCH_CHECK_VALUE(blocks.dim() >= 2, name,
+                    " must be (rows, row_bytes) packed GGUF data, got shape ", blocks.sizes());
   const int64_t rb = packed_row_bytes(type, cols);
   TORCH_CHECK_VALUE(blocks.size(-1) == rb, name, " has ", blocks.size(-1), " bytes per row but ",
                     type_name(type), " rows of ", cols, " values take ", rb, " bytes");
@@ -84,9 +85,10 @@ void check_indices(const at::Tensor& idx, int64_t limit, const char* name) {
 }
 
 void check_no_internal_overlap(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "unsupported operation: ", name,
-              " is written in place but several of its elements share one memory location (strides ",
-              t.strides(), ", e.g. an expand()); clone() it first");
+  TORCH_CHECK(
+      at::has_internal_overlap(t) != at::MemOverlap::Yes, "unsupported operation: ", name,
+      " is written in place but several of its elements share one memory location (strides ",
+      t.strides(), ", e.g. an expand()); clone() it first");
 }
 
 namespace {
@@ -112,11 +114,12 @@ bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
 
 void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& input,
                       const char* input_name) {
-  const bool same_view = written.data_ptr() == input.data_ptr() && written.sizes() == input.sizes() &&
-                         written.strides() == input.strides() && written.dtype() == input.dtype();
+  const bool same_view = written.data_ptr() == input.data_ptr() &&
+                         written.sizes() == input.sizes() && written.strides() == input.strides() &&
+                         written.dtype() == input.dtype();
   TORCH_CHECK(same_view || !may_overlap(written, input), "unsupported operation: ", input_name,
-              " shares memory with ", written_name, ", which the op writes while reading it; clone() ",
-              input_name, " first");
+              " shares memory with ", written_name,
+              ", which the op writes while reading it; clone() ", input_name, " first");
 }
 
 std::string type_name(ggml_type type) {
@@ -147,7 +150,7 @@ thread_local std::vector<uint8_t> t_ctx_buffer;
 // Intermediate results of up to this many bytes in all come from t_scratch (see Graph::run).
 constexpr size_t kScratchBytes = size_t{1} << 16;
 thread_local std::vector<uint8_t> t_scratch;
-}
+}  // namespace
 
 Graph::Graph(int max_tensors) : graph_size_(std::max(16, max_tensors)) {
   const auto& G = ggml();
@@ -173,13 +176,14 @@ void ggml_layout(const at::Tensor& t, int first, int64_t (&ne)[4], size_t (&nb)[
   const int nd = static_cast<int>(t.dim()) - first;
   TORCH_CHECK_VALUE(nd >= 1 && nd <= 4, "ggml tensors have 1 to 4 dims, got shape ", t.sizes(),
                     first ? " (after its first dim)" : "");
-  TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) == 1, "the last dim must be dense, got strides ",
-                    t.strides());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) == 1,
+                    "the last dim must be dense, got strides ", t.strides());
   const size_t es = static_cast<size_t>(t.element_size());
   for (int i = 0; i < 4; ++i) ne[i] = i < nd ? t.size(t.dim() - 1 - i) : 1;
   nb[0] = es;
   for (int i = 1; i < 4; ++i) {
-    nb[i] = i < nd ? static_cast<size_t>(t.stride(t.dim() - 1 - i)) * es : nb[i - 1] * static_cast<size_t>(ne[i - 1]);
+    nb[i] = i < nd ? static_cast<size_t>(t.stride(t.dim() - 1 - i)) * es
+                   : nb[i - 1] * static_cast<size_t>(ne[i - 1]);
   }
 }
 
@@ -193,13 +197,15 @@ ggml_tensor* Graph::view(const at::Tensor& t) {
 }
 
 ggml_tensor* Graph::view(const at::Tensor& t, int64_t index) {
-  TORCH_CHECK(t.dim() >= 2 && index >= 0 && index < t.size(0), "ggml-kernels: entry ", index, " of shape ",
-              t.sizes());
+  TORCH_CHECK(t.dim() >= 2 && index >= 0 && index < t.size(0), "ggml-kernels: entry ", index,
+              " of shape ", t.sizes());
   int64_t ne[4];
   size_t nb[4];
   ggml_layout(t, 1, ne, nb);
   return raw(ggml_type_of(t.scalar_type()),
-             static_cast<const char*>(t.data_ptr()) + index * t.stride(0) * static_cast<int64_t>(t.element_size()), ne, nb);
+             static_cast<const char*>(t.data_ptr()) +
+                 index * t.stride(0) * static_cast<int64_t>(t.element_size()),
+             ne, nb);
 }
 
 ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t cols) {
@@ -210,14 +216,16 @@ ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t col
   const int64_t experts = blocks.dim() == 3 ? blocks.size(0) : 1;
   ggml_tensor* g = ggml().ggml_new_tensor_3d(ctx_, type, cols, rows, experts);
   TORCH_CHECK(static_cast<int64_t>(g->nb[1]) == blocks.size(-1), "ggml-kernels: row size mismatch");
-  g->nb[1] = static_cast<size_t>(blocks.stride(-2));  // a row slice of a bigger matrix keeps its strides
+  g->nb[1] =
+      static_cast<size_t>(blocks.stride(-2));  // a row slice of a bigger matrix keeps its strides
   g->nb[2] = blocks.dim() == 3 ? static_cast<size_t>(blocks.stride(0)) : g->nb[1] * rows;
   g->nb[3] = g->nb[2] * experts;
   g->data = blocks.data_ptr();
   return g;
 }
 
-ggml_tensor* Graph::raw(ggml_type type, const void* data, const int64_t (&ne)[4], const size_t (&nb)[4]) {
+ggml_tensor* Graph::raw(ggml_type type, const void* data, const int64_t (&ne)[4],
+                        const size_t (&nb)[4]) {
   int64_t dims[4] = {ne[0], ne[1], ne[2], ne[3]};
   ggml_tensor* g = ggml().ggml_new_tensor(ctx_, type, 4, dims);
   for (int i = 0; i < 4; ++i) g->nb[i] = nb[i];
@@ -230,7 +238,8 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
   bool same = nd >= 1 && nd <= 4 && ggml_type_of(dst.scalar_type()) == result->type &&
               (dst.stride(-1) == 1 || dst.size(-1) == 1);
   for (int i = 0; same && i < 4; ++i) same = result->ne[i] == (i < nd ? dst.size(nd - 1 - i) : 1);
-  TORCH_CHECK(same, "ggml-kernels: output buffer ", dst.sizes(), " does not match the graph result");
+  TORCH_CHECK(same, "ggml-kernels: output buffer ", dst.sizes(),
+              " does not match the graph result");
   if (dst.numel() == 0) return;
   const int64_t es = static_cast<int64_t>(dst.element_size());
   for (int i = 1; i < nd; ++i) result->nb[i] = static_cast<size_t>(dst.stride(nd - 1 - i) * es);
@@ -240,16 +249,21 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
 }
 
 void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int64_t index, int n_threads) {
-  TORCH_CHECK(dst.dim() >= 2 && index >= 0 && index < dst.size(0) && ggml_type_of(dst.scalar_type()) == result->type,
-              "ggml-kernels: output entry ", index, " of ", dst.sizes(), " does not match the graph result");
+  TORCH_CHECK(dst.dim() >= 2 && index >= 0 && index < dst.size(0) &&
+                  ggml_type_of(dst.scalar_type()) == result->type,
+              "ggml-kernels: output entry ", index, " of ", dst.sizes(),
+              " does not match the graph result");
   int64_t ne[4];
   size_t nb[4];
   ggml_layout(dst, 1, ne, nb);
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(result->ne[i] == ne[i], "ggml-kernels: output entry of ", dst.sizes(), " does not match the graph result");
+    TORCH_CHECK(result->ne[i] == ne[i], "ggml-kernels: output entry of ", dst.sizes(),
+                " does not match the graph result");
   }
   if (dst.numel() == 0) return;
-  compute(result, static_cast<char*>(dst.data_ptr()) + index * dst.stride(0) * static_cast<int64_t>(dst.element_size()),
+  compute(result,
+          static_cast<char*>(dst.data_ptr()) +
+              index * dst.stride(0) * static_cast<int64_t>(dst.element_size()),
           nb, n_threads);
 }
 
@@ -263,7 +277,8 @@ void Graph::run(ggml_tensor* result, int n_threads) {
   const auto& G = ggml();
   // Building a graph names every unnamed tensor with snprintf ("leaf_%d", "node_%d"), ~0.2 us each:
   // a quarter of a decode step's norm. Nothing here reads the names; a one-letter one skips that.
-  for (ggml_tensor* t = G.ggml_get_first_tensor(ctx_); t != nullptr; t = G.ggml_get_next_tensor(ctx_, t)) {
+  for (ggml_tensor* t = G.ggml_get_first_tensor(ctx_); t != nullptr;
+       t = G.ggml_get_next_tensor(ctx_, t)) {
     if (t->name[0] == '\0') {
       t->name[0] = 't';
       t->name[1] = '\0';
@@ -278,12 +293,15 @@ void Graph::run(ggml_tensor* result, int n_threads) {
   size_t scratch = 0;
   for (int i = 0; i < n; ++i) {
     const ggml_tensor* node = G.ggml_graph_node(graph, i);
-    if (node->data == nullptr && node->view_src == nullptr) scratch += (G.ggml_nbytes(node) + 63) / 64 * 64;
+    if (node->data == nullptr && node->view_src == nullptr)
+      scratch += (G.ggml_nbytes(node) + 63) / 64 * 64;
   }
   // (continuing after what an earlier compute of this Graph took: its nodes may be read again)
   const bool use_scratch = scratch_used_ + scratch <= kScratchBytes;
-  if (use_scratch && t_scratch.size() < kScratchBytes + 64) t_scratch.resize(kScratchBytes + 64);  // never moves after
-  uintptr_t next = ((reinterpret_cast<uintptr_t>(t_scratch.data()) + 63) & ~uintptr_t(63)) + scratch_used_;
+  if (use_scratch && t_scratch.size() < kScratchBytes + 64)
+    t_scratch.resize(kScratchBytes + 64);  // never moves after
+  uintptr_t next =
+      ((reinterpret_cast<uintptr_t>(t_scratch.data()) + 63) & ~uintptr_t(63)) + scratch_used_;
   if (use_scratch) scratch_used_ += scratch;
   for (int i = 0; i < n; ++i) {
     ggml_tensor* node = G.ggml_graph_node(graph, i);
@@ -319,7 +337,9 @@ Rows::Rows(const at::Tensor& t) : n_(t.dim() == 0 ? 1 : t.size(-1)) {
   }
   type_ = ggml_type_of(keep_.scalar_type());
   es_ = static_cast<size_t>(keep_.element_size());
-  stride_ = (keep_.is_contiguous() || keep_.dim() < 2 ? static_cast<size_t>(n_) : static_cast<size_t>(keep_.stride(0))) * es_;
+  stride_ = (keep_.is_contiguous() || keep_.dim() < 2 ? static_cast<size_t>(n_)
+                                                      : static_cast<size_t>(keep_.stride(0))) *
+            es_;
   data_ = static_cast<char*>(keep_.data_ptr());
 }
 
@@ -331,8 +351,8 @@ ggml_tensor* Rows::view(Graph& g, int64_t r0, int64_t r1) const {
 
 void Rows::compute(Graph& g, ggml_tensor* result, int64_t r0, int64_t r1) const {
   const int64_t m = r1 - r0;
-  TORCH_CHECK(result->type == type_ && result->ne[0] == n_ && result->ne[1] == m && result->ne[2] == 1 &&
-                  result->ne[3] == 1,
+  TORCH_CHECK(result->type == type_ && result->ne[0] == n_ && result->ne[1] == m &&
+                  result->ne[2] == 1 && result->ne[3] == 1,
               "ggml-kernels: a graph result does not match its ", m, " output rows of ", n_);
   if (m == 0 || n_ == 0) return;
   g.compute(result, data_ + static_cast<size_t>(r0) * stride_,

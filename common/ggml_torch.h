@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -19,7 +18,8 @@ namespace ggml_kernels {
 
 // ---- argument checks (TORCH_CHECK_* map to TypeError / ValueError / IndexError in Python) ----
 void check_cpu(const at::Tensor& t, const char* name);
-void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed, const char* name);
+void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed,
+                 const char* name);
 void check_dim(const at::Tensor& t, int64_t dim, const char* name);
 void check_contiguous(const at::Tensor& t, const char* name);
 // Storage types (GGUF tensor types) the pinned ggml can hold; anything else raises ValueError.
@@ -36,8 +36,9 @@ void check_no_internal_overlap(const at::Tensor& t, const char* name);
 // Whether the memory spans of a and b (first to last byte, whatever the strides) meet. Cheap and
 // conservative: two strided tensors that interleave without sharing an element count as meeting.
 bool may_overlap(const at::Tensor& a, const at::Tensor& b);
-// For ops that write `written` while reading `input`: RuntimeError naming both unless they are apart
-// in memory (may_overlap is false) or the very same view, as torch's copy_ refuses a partial overlap.
+// For ops that write `written` while reading `input`: RuntimeError naming both unless they are
+// apart in memory (may_overlap is false) or the very same view, as torch's copy_ refuses a partial
+// overlap.
 void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& input,
                       const char* input_name);
 
@@ -93,8 +94,8 @@ class Graph {
 
 // A tensor seen as rows of its last dim, (numel / n, n), by pointer and row stride, so that row
 // slices become ggml tensors without torch view ops (narrow, reshape: ~0.4 us each, a tenth of a
-// decode step's norm). Rows are at one stride when the tensor is contiguous or reshapes to (rows, n)
-// with a dense last dim; anything else is copied once (kept alive here).
+// decode step's norm). Rows are at one stride when the tensor is contiguous or reshapes to (rows,
+// n) with a dense last dim; anything else is copied once (kept alive here).
 class Rows {
  public:
   explicit Rows(const at::Tensor& t);

@@ -64,17 +64,17 @@ inline PyMethodDef kMethods[] = {
 }  // namespace ggml_kernels::python
 
 // The extension's Python module: importing it registers the ops (static initialisers).
-#define GGML_KERNELS_PYTHON_MODULE()                                                        \
-  static PyModuleDef ggml_kernels_module_def = {PyModuleDef_HEAD_INIT,                       \
-                                                GGML_KERNELS_STR(TORCH_EXTENSION_NAME),      \
-                                                nullptr,                                     \
-                                                -1,                                          \
-                                                ggml_kernels::python::kMethods,              \
-                                                nullptr,                                     \
-                                                nullptr,                                     \
-                                                nullptr,                                     \
-                                                nullptr};                                    \
-  extern "C" __attribute__((visibility("default"))) PyObject* GGML_KERNELS_CONCAT(            \
-      PyInit_, TORCH_EXTENSION_NAME)(void) {                                                 \
-    return PyModule_Create(&ggml_kernels_module_def);                                        \
+#define GGML_KERNELS_PYTHON_MODULE()                                                    \
+  static PyModuleDef ggml_kernels_module_def = {PyModuleDef_HEAD_INIT,                  \
+                                                GGML_KERNELS_STR(TORCH_EXTENSION_NAME), \
+                                                nullptr,                                \
+                                                -1,                                     \
+                                                ggml_kernels::python::kMethods,         \
+                                                nullptr,                                \
+                                                nullptr,                                \
+                                                nullptr,                                \
+                                                nullptr};                               \
+  extern "C" __attribute__((visibility("default"))) PyObject* GGML_KERNELS_CONCAT(      \
+      PyInit_, TORCH_EXTENSION_NAME)(void) {                                            \
+    return PyModule_Create(&ggml_kernels_module_def);                                   \
   }

@@ -46,6 +46,7 @@ import json
 
 import llama_cpp  # noqa: F401  (the oracle here: nox installs llama.cpp b11312; missing, these tests fail, not skip)
 import pytest
+
 from tools.testing.kernel_testing import fresh_process
 
 pytestmark = pytest.mark.slow  # whole models, each in a fresh process

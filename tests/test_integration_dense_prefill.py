@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ggml_kernels_integration import dense_prefill
+
 from tools.testing.kernel_testing import load_kernel
 
 BLOCK_32 = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}

@@ -25,7 +25,7 @@ using namespace ggml_kernels;
 namespace {
 
 constexpr int64_t kMaxHeadDim = 1024;
-constexpr int64_t kQueryTile = 64;  // ggml-cpu's flash-attention query tile (GGML_FA_TILE_Q)
+constexpr int64_t kQueryTile = 64;    // ggml-cpu's flash-attention query tile (GGML_FA_TILE_Q)
 constexpr int64_t kSplitKvMin = 512;  // ggml splits one query's keys over threads from here
 // Below kSplitKvMin, one sequence's decode step splits its KV heads (with their query heads) over
 // torch's threads, one graph per thread, once Hq * Skv * D reaches this. Measured in one process (2
@@ -53,10 +53,11 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
                       "(B, 1 or Hq, Sq, Skv), got shape ", mm.sizes());
     if (mm.dim() == 2) mm = mm.view({1, 1, mm.size(0), mm.size(1)});
     if (mm.dim() == 3) mm = mm.unsqueeze(1);
-    TORCH_CHECK_VALUE(mm.size(3) == skv && mm.size(2) == sq && (mm.size(1) == 1 || mm.size(1) == hq) &&
-                          (mm.size(0) == 1 || mm.size(0) == b),
-                      "mask of shape ", mask->sizes(), " does not broadcast to (B, Hq, Sq, Skv) = (", b,
-                      ", ", hq, ", ", sq, ", ", skv, ")");
+    TORCH_CHECK_VALUE(
+        mm.size(3) == skv && mm.size(2) == sq && (mm.size(1) == 1 || mm.size(1) == hq) &&
+            (mm.size(0) == 1 || mm.size(0) == b),
+        "mask of shape ", mask->sizes(), " does not broadcast to (B, Hq, Sq, Skv) = (", b, ", ", hq,
+        ", ", sq, ", ", skv, ")");
     if (mm.scalar_type() == at::kBool) {
       m = at::zeros(mm.sizes(), mm.options().dtype(at::kHalf));
       m.masked_fill_(mm.logical_not(), neg_inf);
@@ -68,24 +69,29 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
   const bool causal_masks_something = causal && sq > 1;
   if (causal_masks_something || (causal && skv < sq)) {
     auto opts = at::TensorOptions().dtype(at::kLong);
-    at::Tensor hidden = at::arange(skv, opts).unsqueeze(0) > (at::arange(sq, opts).unsqueeze(1) + (skv - sq));
+    at::Tensor hidden =
+        at::arange(skv, opts).unsqueeze(0) > (at::arange(sq, opts).unsqueeze(1) + (skv - sq));
     if (!m.defined()) m = at::zeros({1, 1, sq, skv}, at::TensorOptions().dtype(at::kHalf));
     m.masked_fill_(hidden, neg_inf);
   }
   return m.defined() ? m.contiguous() : m;
 }
 
-// Heads [h0, h1) of batch entry bi of t (B, H, S, D) as ggml's {D, S, h1 - h0}, without torch views.
+// Heads [h0, h1) of batch entry bi of t (B, H, S, D) as ggml's {D, S, h1 - h0}, without torch
+// views.
 ggml_tensor* heads(Graph& g, const at::Tensor& t, int64_t bi, int64_t h0, int64_t h1) {
   const size_t es = static_cast<size_t>(t.element_size());
   const size_t nb2 = static_cast<size_t>(t.stride(1)) * es;
-  return g.raw(ggml_type_of(t.scalar_type()),
-               static_cast<const char*>(t.data_ptr()) + (bi * t.stride(0) + h0 * t.stride(1)) * static_cast<int64_t>(es),
-               {t.size(3), t.size(2), h1 - h0, 1}, {es, static_cast<size_t>(t.stride(2)) * es, nb2, nb2 * static_cast<size_t>(h1 - h0)});
+  return g.raw(
+      ggml_type_of(t.scalar_type()),
+      static_cast<const char*>(t.data_ptr()) +
+          (bi * t.stride(0) + h0 * t.stride(1)) * static_cast<int64_t>(es),
+      {t.size(3), t.size(2), h1 - h0, 1},
+      {es, static_cast<size_t>(t.stride(2)) * es, nb2, nb2 * static_cast<size_t>(h1 - h0)});
 }
 
-void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                            double softcap) {
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale, double softcap) {
   check_cpu(q, "query");
   check_cpu(k, "key");
   check_cpu(v, "value");
@@ -99,13 +105,13 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(3), hkv = k.size(1), dv = v.size(3);
   TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "batch sizes differ: query ", b, ", key ",
                     k.size(0), ", value ", v.size(0));
-  TORCH_CHECK_VALUE(v.size(1) == hkv && v.size(2) == k.size(2), "key ", k.sizes(), " and value ", v.sizes(),
-                    " must have the same heads and length");
-  TORCH_CHECK_VALUE(hkv > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of key/value heads (",
-                    hkv, ")");
+  TORCH_CHECK_VALUE(v.size(1) == hkv && v.size(2) == k.size(2), "key ", k.sizes(), " and value ",
+                    v.sizes(), " must have the same heads and length");
+  TORCH_CHECK_VALUE(hkv > 0 && hq % hkv == 0, "query heads (", hq,
+                    ") must be a multiple of key/value heads (", hkv, ")");
   TORCH_CHECK_VALUE(k.size(3) == d, "query head dim ", d, " != key head dim ", k.size(3));
-  TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim && dv >= 1 && dv <= kMaxHeadDim, "head dim ", d, "/", dv,
-                    " is not supported (1..", kMaxHeadDim, ")");
+  TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim && dv >= 1 && dv <= kMaxHeadDim, "head dim ", d, "/",
+                    dv, " is not supported (1..", kMaxHeadDim, ")");
   TORCH_CHECK_VALUE(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0,
                     "scale must be finite and softcap finite and >= 0");
 }
@@ -115,8 +121,9 @@ at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
   if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
   check_cpu(*sinks, "sinks");
   check_dtype(*sinks, {at::kFloat, at::kHalf, at::kBFloat16}, "sinks");
-  TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq, "sinks must hold one value per query head (",
-                    hq, "), got shape ", sinks->sizes());
+  TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq,
+                    "sinks must hold one value per query head (", hq, "), got shape ",
+                    sinks->sizes());
   return sinks->to(at::kFloat).contiguous();
 }
 
@@ -125,14 +132,22 @@ at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
 // Each graph reads tensors that outlive it: these members, or a mask slice its caller holds.
 class AttentionCall {
  public:
-  AttentionCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                bool causal, double scale, double softcap, at::Tensor sinks32)
-      : b_(q.size(0)), hq_(q.size(1)), sq_(q.size(2)), d_(q.size(3)), hkv_(k.size(1)), skv_(k.size(2)),
+  AttentionCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const std::optional<at::Tensor>& mask, bool causal, double scale, double softcap,
+                at::Tensor sinks32)
+      : b_(q.size(0)),
+        hq_(q.size(1)),
+        sq_(q.size(2)),
+        d_(q.size(3)),
+        hkv_(k.size(1)),
+        skv_(k.size(2)),
         dv_(v.size(3)),
         scale_(scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(d_)) : static_cast<float>(scale)),
         softcap_(static_cast<float>(softcap)),
         // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
-        q32_(q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous() : q.stride(3) == 1 ? q : q.contiguous()),
+        q32_(q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous()
+             : q.stride(3) == 1            ? q
+                                           : q.contiguous()),
         k_(k.stride(3) == 1 ? k : k.contiguous()),
         v_(v.stride(3) == 1 ? v : v.contiguous()),
         mask_(additive_mask(mask, causal, b_, hq_, sq_, skv_)),
@@ -159,11 +174,11 @@ class AttentionCall {
     return mask_.select(0, mask_.size(0) == 1 ? 0 : bi).narrow(1, i0, n).unsqueeze(0).contiguous();
   }
 
-  ggml_tensor* attention(Graph& g, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v, const at::Tensor& mask,
-                         const at::Tensor& sinks) const {
+  ggml_tensor* attention(Graph& g, ggml_tensor* q, ggml_tensor* k, ggml_tensor* v,
+                         const at::Tensor& mask, const at::Tensor& sinks) const {
     const auto& G = ggml();
-    ggml_tensor* out = G.ggml_flash_attn_ext(g.ctx(), q, k, v, mask.defined() ? g.view(mask) : nullptr, scale_, 0.0f,
-                                             softcap_);
+    ggml_tensor* out = G.ggml_flash_attn_ext(
+        g.ctx(), q, k, v, mask.defined() ? g.view(mask) : nullptr, scale_, 0.0f, softcap_);
     G.ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
     if (sinks.defined()) G.ggml_flash_attn_ext_add_sinks(out, g.view(sinks));
     return out;
@@ -172,15 +187,17 @@ class AttentionCall {
   // Query rows of each batch entry over torch's threads, slices aligned to ggml's query tiles.
   void prefill() {
     const int64_t work_per_row = hq_ * skv_ * std::max(d_, dv_);
-    const int64_t min_rows = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, work_per_row));
+    const int64_t min_rows =
+        std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, work_per_row));
     for (int64_t bi = 0; bi < b_; ++bi) {
-      parallel_chunks(sq_, min_rows, sq_ >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
-        Graph g(16);
-        const at::Tensor mask = mask_rows(bi, i0, i1 - i0);
-        ggml_tensor* r = attention(g, g.view(q32_.select(0, bi).narrow(1, i0, i1 - i0)), g.view(k_, bi), g.view(v_, bi),
-                                   mask, sinks32_);
-        g.compute(r, out_.select(0, bi).narrow(0, i0, i1 - i0));
-      });
+      parallel_chunks(
+          sq_, min_rows, sq_ >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
+            Graph g(16);
+            const at::Tensor mask = mask_rows(bi, i0, i1 - i0);
+            ggml_tensor* r = attention(g, g.view(q32_.select(0, bi).narrow(1, i0, i1 - i0)),
+                                       g.view(k_, bi), g.view(v_, bi), mask, sinks32_);
+            g.compute(r, out_.select(0, bi).narrow(0, i0, i1 - i0));
+          });
     }
   }
 
@@ -188,9 +205,10 @@ class AttentionCall {
   void decode() {
     const int64_t threads = at::get_num_threads();
     const int64_t parts = std::min(threads, hkv_);
-    const bool split_heads = b_ == 1 && parts > 1 && !mask_.defined() &&
-                             hq_ * skv_ * std::max(d_, dv_) >= kSplitHeadsMinWork &&
-                             (skv_ < kSplitKvMin || (hkv_ % parts == 0 && skv_ <= kSplitHeadsMaxKeys));
+    const bool split_heads =
+        b_ == 1 && parts > 1 && !mask_.defined() &&
+        hq_ * skv_ * std::max(d_, dv_) >= kSplitHeadsMinWork &&
+        (skv_ < kSplitKvMin || (hkv_ % parts == 0 && skv_ <= kSplitHeadsMaxKeys));
     if (split_heads) {
       decode_split_heads(parts);
     } else if (b_ >= threads || threads == 1) {
@@ -198,7 +216,8 @@ class AttentionCall {
         for (int64_t bi = b0; bi < b1; ++bi) decode_entry(bi, 1);
       });
     } else {
-      for (int64_t bi = 0; bi < b_; ++bi) decode_entry(bi, skv_ >= kSplitKvMin ? static_cast<int>(threads) : 1);
+      for (int64_t bi = 0; bi < b_; ++bi)
+        decode_entry(bi, skv_ >= kSplitKvMin ? static_cast<int>(threads) : 1);
       if (skv_ >= kSplitKvMin) zero_fully_masked_rows();
     }
   }
@@ -217,13 +236,15 @@ class AttentionCall {
     const size_t es = sizeof(float);
     at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t h0 = hkv_ * t / parts, h1 = hkv_ * (t + 1) / parts, q0 = h0 * gqa, nq = (h1 - h0) * gqa;
+        const int64_t h0 = hkv_ * t / parts, h1 = hkv_ * (t + 1) / parts, q0 = h0 * gqa,
+                      nq = (h1 - h0) * gqa;
         Graph g(16);
         const at::Tensor sinks = sinks32_.defined() ? sinks32_.narrow(0, q0, nq) : sinks32_;
-        ggml_tensor* r = attention(g, heads(g, q32_, 0, q0, q0 + nq), heads(g, k_, 0, h0, h1), heads(g, v_, 0, h0, h1),
-                                   mask_, sinks);
+        ggml_tensor* r = attention(g, heads(g, q32_, 0, q0, q0 + nq), heads(g, k_, 0, h0, h1),
+                                   heads(g, v_, 0, h0, h1), mask_, sinks);
         const size_t row = static_cast<size_t>(dv_) * es * static_cast<size_t>(nq);
-        g.compute(r, out_.data_ptr<float>() + q0 * dv_, {es, static_cast<size_t>(dv_) * es, row, row});
+        g.compute(r, out_.data_ptr<float>() + q0 * dv_,
+                  {es, static_cast<size_t>(dv_) * es, row, row});
       }
     });
   }
@@ -250,7 +271,8 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
                           double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(q, k, v, scale, softcap);
   at::Tensor sinks32 = float32_sinks(sinks, q.size(1));
-  const at::Tensor out = AttentionCall(q, k, v, mask, causal, scale, softcap, std::move(sinks32)).run();
+  const at::Tensor out =
+      AttentionCall(q, k, v, mask, causal, scale, softcap, std::move(sinks32)).run();
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
@@ -259,8 +281,8 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
 // ggml's rope computes its angles from positions and a frequency base, which transformers' function
 // is not given, so this is a plain element-wise loop over the caller's tables: out = x * cos +
 // rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]], with the same float32 roundings as
-// transformers' torch ops (each product rounded, then the sum). One call does q and k: a decode step
-// of a Llama layer is otherwise ~14 small torch ops.
+// transformers' torch ops (each product rounded, then the sum). One call does q and k: a decode
+// step of a Llama layer is otherwise ~14 small torch ops.
 
 namespace {
 
@@ -272,8 +294,8 @@ void check_rotary_input(const at::Tensor& x, const char* name, const at::Tensor&
                         (table.size(0) == 1 || table.size(0) == x.size(0)),
                     name, " (batch, heads, tokens, head dim) ", x.sizes(),
                     " does not match cos / sin (batch or 1, tokens, head dim) ", table.sizes());
-  TORCH_CHECK_VALUE(x.stride(3) == 1 || x.size(3) == 1, name, "'s last dim must be dense, got strides ",
-                    x.strides());
+  TORCH_CHECK_VALUE(x.stride(3) == 1 || x.size(3) == 1, name,
+                    "'s last dim must be dense, got strides ", x.strides());
 }
 
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
@@ -285,23 +307,24 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s)
   float* op = out.data_ptr<float>();
   const int64_t xb = x.stride(0), xh = x.stride(1), xt = x.stride(2);
   const int64_t cb = c.size(0) == 1 ? 0 : c.stride(0), ct = c.stride(1);
-  at::parallel_for(0, B * H * T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (H * T), h = (r / T) % H, t = r % T;
-      const float* xr = xp + b * xb + h * xh + t * xt;
-      const float* cr = cp + b * cb + t * ct;
-      const float* sr = sp + b * cb + t * ct;
-      float* o = op + r * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = xr[i] * cr[i], m = -xr[i + half] * sr[i];
-        o[i] = a + m;
-      }
-      for (int64_t i = half; i < D; ++i) {
-        const float a = xr[i] * cr[i], m = xr[i - half] * sr[i];
-        o[i] = a + m;
-      }
-    }
-  });
+  at::parallel_for(0, B * H * T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)),
+                   [&](int64_t r0, int64_t r1) {
+                     for (int64_t r = r0; r < r1; ++r) {
+                       const int64_t b = r / (H * T), h = (r / T) % H, t = r % T;
+                       const float* xr = xp + b * xb + h * xh + t * xt;
+                       const float* cr = cp + b * cb + t * ct;
+                       const float* sr = sp + b * cb + t * ct;
+                       float* o = op + r * D;
+                       for (int64_t i = 0; i < half; ++i) {
+                         const float a = xr[i] * cr[i], m = -xr[i + half] * sr[i];
+                         o[i] = a + m;
+                       }
+                       for (int64_t i = half; i < D; ++i) {
+                         const float a = xr[i] * cr[i], m = xr[i - half] * sr[i];
+                         o[i] = a + m;
+                       }
+                     }
+                   });
   return out;
 }
 
@@ -331,32 +354,36 @@ std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at
 
 namespace {
 
-void check_cache_rows(const at::Tensor& buf, const at::Tensor& x, int64_t position, const char* buf_name,
-                      const char* x_name) {
+void check_cache_rows(const at::Tensor& buf, const at::Tensor& x, int64_t position,
+                      const char* buf_name, const char* x_name) {
   check_cpu(buf, buf_name);
   check_cpu(x, x_name);
-  TORCH_CHECK_TYPE(buf.scalar_type() == x.scalar_type(), x_name, " has dtype ", x.scalar_type(), " but ", buf_name,
-                   " holds ", buf.scalar_type());
-  TORCH_CHECK_VALUE(buf.dim() >= 2 && x.dim() == buf.dim(), x_name, " ", x.sizes(), " and ", buf_name, " ",
-                    buf.sizes(), " must both be (..., rows, D) with the same number of dims");
+  TORCH_CHECK_TYPE(buf.scalar_type() == x.scalar_type(), x_name, " has dtype ", x.scalar_type(),
+                   " but ", buf_name, " holds ", buf.scalar_type());
+  TORCH_CHECK_VALUE(buf.dim() >= 2 && x.dim() == buf.dim(), x_name, " ", x.sizes(), " and ",
+                    buf_name, " ", buf.sizes(),
+                    " must both be (..., rows, D) with the same number of dims");
   for (int64_t i = 0; i < buf.dim(); ++i) {
-    TORCH_CHECK_VALUE(i == buf.dim() - 2 || buf.size(i) == x.size(i), x_name, " ", x.sizes(), " does not fit ",
-                      buf_name, " ", buf.sizes(), ": all dims but the rows must match");
+    TORCH_CHECK_VALUE(i == buf.dim() - 2 || buf.size(i) == x.size(i), x_name, " ", x.sizes(),
+                      " does not fit ", buf_name, " ", buf.sizes(),
+                      ": all dims but the rows must match");
   }
   const int64_t rows = x.size(-2), capacity = buf.size(-2);
   // (as `position <= capacity - rows`: position + rows can overflow)
-  TORCH_CHECK_INDEX(position >= 0 && rows <= capacity && position <= capacity - rows, "position ", position, " + ",
-                    rows, " rows of ", x_name, " do not fit in the ", capacity, " rows of ", buf_name);
-  TORCH_CHECK_VALUE(buf.stride(-1) == 1 || buf.size(-1) <= 1, buf_name, "'s last dim must be dense, got strides ",
-                    buf.strides());
+  TORCH_CHECK_INDEX(position >= 0 && rows <= capacity && position <= capacity - rows, "position ",
+                    position, " + ", rows, " rows of ", x_name, " do not fit in the ", capacity,
+                    " rows of ", buf_name);
+  TORCH_CHECK_VALUE(buf.stride(-1) == 1 || buf.size(-1) <= 1, buf_name,
+                    "'s last dim must be dense, got strides ", buf.strides());
   check_no_internal_overlap(buf, buf_name);
 }
 
 // x must not share memory with the rows of buf it is written to (a row copied after another row
 // overwrote it would be wrong), as torch's copy_ refuses. Only a buffer x lies in needs the view.
-void check_apart(const at::Tensor& buf, const at::Tensor& x, int64_t position, const char* rows_name,
-                 const char* x_name) {
-  if (may_overlap(buf, x)) check_no_overlap(buf.narrow(-2, position, x.size(-2)), rows_name, x, x_name);
+void check_apart(const at::Tensor& buf, const at::Tensor& x, int64_t position,
+                 const char* rows_name, const char* x_name) {
+  if (may_overlap(buf, x))
+    check_no_overlap(buf.narrow(-2, position, x.size(-2)), rows_name, x, x_name);
 }
 
 // src (..., n, D) -> rows [row0, row0 + n) of dst (..., capacity, D); both with a dense last dim.
@@ -375,16 +402,16 @@ void copy_rows(const at::Tensor& dst, int64_t row0, const at::Tensor& src) {
       soff += idx * src.stride(j);
     }
     for (int64_t r = 0; r < n; ++r) {
-      std::memmove(dp + (doff + (row0 + r) * dst.stride(-2)) * es, sp + (soff + r * src.stride(-2)) * es,
-                  static_cast<size_t>(d * es));
+      std::memmove(dp + (doff + (row0 + r) * dst.stride(-2)) * es,
+                   sp + (soff + r * src.stride(-2)) * es, static_cast<size_t>(d * es));
     }
   }
 }
 
 }  // namespace
 
-void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k, const at::Tensor& v,
-                  int64_t position) {
+void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
+                  const at::Tensor& v, int64_t position) {
   check_cache_rows(keys, k, position, "keys", "k");
   check_cache_rows(values, v, position, "values", "v");
   check_apart(keys, k, position, "the rows of keys written", "k");

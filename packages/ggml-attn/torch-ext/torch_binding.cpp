@@ -6,8 +6,8 @@
 GGML_KERNELS_LIBRARY(m) {
   // q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) -> (B, Sq, Hq, Dv) in q's dtype.
   // mask: bool (True = attend) or additive float, broadcastable to (B, Hq, Sq, Skv); causal masks
-  // keys after the query's position, aligned bottom-right. scale 0 means 1/sqrt(D); softcap 0 = off;
-  // sinks: one logit per query head (attention sinks), or None.
+  // keys after the query's position, aligned bottom-right. scale 0 means 1/sqrt(D); softcap 0 =
+  // off; sinks: one logit per query head (attention sinks), or None.
   m.def(
       "flash_attn(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale, "
       "float softcap, Tensor? sinks) -> Tensor");

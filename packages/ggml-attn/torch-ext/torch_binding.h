@@ -10,5 +10,5 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
                           double softcap, const std::optional<at::Tensor>& sinks);
 std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& cos, const at::Tensor& sin);
-void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k, const at::Tensor& v,
-                  int64_t position);
+void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
+                  const at::Tensor& v, int64_t position);

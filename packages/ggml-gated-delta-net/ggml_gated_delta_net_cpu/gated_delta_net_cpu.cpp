@@ -92,7 +92,8 @@ class Scratch {
       std::free(data_);
       cap_ = 0;
       data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
-      TORCH_CHECK(data_ != nullptr, "ggml-gated-delta-net: out of memory for a ", bytes, "-byte buffer");
+      TORCH_CHECK(data_ != nullptr, "ggml-gated-delta-net: out of memory for a ", bytes,
+                  "-byte buffer");
       cap_ = bytes;
     }
     return at::from_blob(data_, {n}, at::TensorOptions().dtype(at::kFloat));
@@ -107,7 +108,8 @@ class Scratch {
 thread_local Scratch t_dst, t_state, t_conv, t_conv_out;
 
 // src (B, cs, n), any strides and float dtype -> dst[(b * cs + c) * ld + off + t] as float32.
-void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off, int64_t batch_stride = -1) {
+void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off,
+                 int64_t batch_stride = -1) {
   const int64_t B = src.size(0), cs = src.size(1), n = src.size(2);
   if (batch_stride < 0) batch_stride = cs * ld;
   const int64_t sb = src.stride(0), sc = src.stride(1), st = src.stride(2);
@@ -139,8 +141,8 @@ struct DeltaNetDims {
 // ggml's layout and apart from every input); returns the dims.
 DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& g, const at::Tensor& beta,
-                                    const std::optional<at::Tensor>& state, std::optional<double> scale,
-                                    bool in_place) {
+                                    const std::optional<at::Tensor>& state,
+                                    std::optional<double> scale, bool in_place) {
   check_float(q, "q");
   check_float(k, "k");
   check_float(v, "v");
@@ -150,7 +152,8 @@ DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, co
   check_dim(q, 4, "q (batch, tokens, key heads, head dim)");
   check_dim(k, 4, "k (batch, tokens, key heads, head dim)");
   check_dim(v, 4, "v (batch, tokens, value heads, head dim)");
-  TORCH_CHECK_VALUE(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK_VALUE(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(), ", got ",
+                    k.sizes());
   const DeltaNetDims dims{v.size(0), v.size(1), v.size(2), q.size(2), v.size(3)};
   const auto [B, T, Hv, Hk, D] = dims;
   TORCH_CHECK_VALUE(q.size(0) == B && q.size(1) == T, "q ", q.sizes(), " and v ", v.sizes(),
@@ -176,12 +179,15 @@ DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, co
                       "state must be (batch, value heads, key dim, value dim) = ",
                       shape_str({B, Hv, D, D}), ", got ", state->sizes());
   }
-  TORCH_CHECK_VALUE(!scale.has_value() || std::isfinite(*scale), "scale must be finite, got ", *scale);
+  TORCH_CHECK_VALUE(!scale.has_value() || std::isfinite(*scale), "scale must be finite, got ",
+                    *scale);
   if (in_place) {
-    TORCH_CHECK_VALUE(has_state && state->transpose(2, 3).is_contiguous(),
-                      "gated_delta_net_ updates the state in place, so it must be in ggml's layout: a state "
-                      "gated_delta_net returned (or a zeros_like of one), i.e. state.transpose(-1, -2) "
-                      "contiguous; got strides ", state->strides());
+    TORCH_CHECK_VALUE(
+        has_state && state->transpose(2, 3).is_contiguous(),
+        "gated_delta_net_ updates the state in place, so it must be in ggml's layout: a state "
+        "gated_delta_net returned (or a zeros_like of one), i.e. state.transpose(-1, -2) "
+        "contiguous; got strides ",
+        state->strides());
     for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}) {
       check_no_overlap(*state, "state", *t, name);
     }
@@ -193,7 +199,8 @@ DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, co
 // is not: such a view is copied first.
 ggml_tensor* scaled(Graph& g, ggml_tensor* t, float factor) {
   const auto& G = ggml();
-  const bool packed = t->nb[0] == G.ggml_type_size(t->type) && t->nb[2] == t->nb[1] * static_cast<size_t>(t->ne[1]) &&
+  const bool packed = t->nb[0] == G.ggml_type_size(t->type) &&
+                      t->nb[2] == t->nb[1] * static_cast<size_t>(t->ne[1]) &&
                       t->nb[3] == t->nb[2] * static_cast<size_t>(t->ne[2]);
   return G.ggml_scale(g.ctx(), packed ? t : G.ggml_cont(g.ctx(), t), factor);
 }
@@ -203,7 +210,8 @@ ggml_tensor* scaled(Graph& g, ggml_tensor* t, float factor) {
 // ggml's sequence dim (v {D, 1, T, hs}, q/k {D, 1, T, hs / r}), where ggml broadcasts q/k
 // interleaved (sequence i reads i / r): transformers' repeat_interleave. Any head range works when
 // r == 1. Slices are described to ggml by pointer and strides (Graph::raw): a decode step runs
-// several slices per thread and torch views would cost more than the small ggml ops around the kernel.
+// several slices per thread and torch views would cost more than the small ggml ops around the
+// kernel.
 class DeltaNetCall {
  public:
   // in_place: the final state overwrites `state` (in ggml's layout) instead of going to a new
@@ -212,7 +220,10 @@ class DeltaNetCall {
   DeltaNetCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const std::optional<at::Tensor>& state, bool l2_normalize_qk,
                std::optional<double> scale, bool in_place, const DeltaNetDims& dims)
-      : dims_(dims), r_(dims.Hv / dims.Hk), l2_normalize_qk_(l2_normalize_qk), in_place_(in_place),
+      : dims_(dims),
+        r_(dims.Hv / dims.Hk),
+        l2_normalize_qk_(l2_normalize_qk),
+        in_place_(in_place),
         has_state_(state.has_value() && state->defined()),
         // The state in ggml's layout (B, Hv, Dv, Dk) contiguous: taken as it is when the caller's
         // state already is (a state this op returned, or transformers' cache holding one), else
@@ -220,16 +231,21 @@ class DeltaNetCall {
         state_is_ggml_(has_state_ && state->transpose(2, 3).is_contiguous()),
         state_(has_state_ ? *state : at::Tensor()),
         state_t_(has_state_ && !state_is_ggml_ ? state->contiguous() : at::Tensor()),
-        q_(dense_rows(q)), k_(dense_rows(k)), v_(dense_rows(v)),
+        q_(dense_rows(q)),
+        k_(dense_rows(k)),
+        v_(dense_rows(v)),
         // g and beta as float32 once for all slices (no copy when they already are).
-        g_(g.to(at::kFloat)), beta_(beta.to(at::kFloat)),
+        g_(g.to(at::kFloat)),
+        beta_(beta.to(at::kFloat)),
         out_(at::empty({dims.B, dims.T, dims.Hv, dims.D}, q.options())),
         // The final state is returned in ggml's memory layout: a (B, Hv, Dk, Dv) tensor over
         // (B, Hv, Dv, Dk) memory. Passed back in as `state` it needs no transposition.
-        new_state_ggml_(in_place ? state->transpose(2, 3)
-                                 : at::empty({dims.B, dims.Hv, dims.D, dims.D}, q.options().dtype(at::kFloat))),
+        new_state_ggml_(
+            in_place ? state->transpose(2, 3)
+                     : at::empty({dims.B, dims.Hv, dims.D, dims.D}, q.options().dtype(at::kFloat))),
         // A decode step (T == 1) reads a slice's g / beta ({1, 1, 1, hs}) and writes its float32
-        // output rows straight from / to the tensors; other shapes gather and scatter through torch.
+        // output rows straight from / to the tensors; other shapes gather and scatter through
+        // torch.
         gates_direct_(dims.T == 1 && g_.stride(2) == 1 && beta_.stride(2) == 1),
         out_direct_(dims.T == 1 && out_.scalar_type() == at::kFloat && out_.is_contiguous()) {
     // ggml's output is S^T q_in / sqrt(D): q_in = scale * sqrt(D) * q (scale D^-0.5 by default).
@@ -267,27 +283,33 @@ class DeltaNetCall {
 
  private:
   // x (B, T, H, D)[b, :, h:h+nh, :] as ggml {D, 1, T, nh}: heads as sequences
-  ggml_tensor* heads_as_seqs(Graph& gr, const at::Tensor& x, int64_t b, int64_t h, int64_t nh) const {
+  ggml_tensor* heads_as_seqs(Graph& gr, const at::Tensor& x, int64_t b, int64_t h,
+                             int64_t nh) const {
     const auto es = static_cast<size_t>(x.element_size());
-    const char* base = static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
+    const char* base =
+        static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
     return gr.raw(ggml_type_of(x.scalar_type()), base, {dims_.D, 1, dims_.T, nh},
                   {es, static_cast<size_t>(dims_.D) * es, static_cast<size_t>(x.stride(1)) * es,
                    static_cast<size_t>(x.stride(2)) * es});
   }
 
   // q or k of key heads [kh, kh + nkh) as float32, L2-normalised and scaled as ggml must read them.
-  ggml_tensor* query_or_key(Graph& gr, const at::Tensor& x, int64_t b, int64_t kh, int64_t nkh, double mul) const {
+  ggml_tensor* query_or_key(Graph& gr, const at::Tensor& x, int64_t b, int64_t kh, int64_t nkh,
+                            double mul) const {
     const auto& G = ggml();
     ggml_tensor* t = as_f32(gr, heads_as_seqs(gr, x, b, kh, nkh));
-    if (l2_normalize_qk_) return G.ggml_scale(gr.ctx(), G.ggml_rms_norm(gr.ctx(), t, eps_d_), static_cast<float>(mul));
+    if (l2_normalize_qk_)
+      return G.ggml_scale(gr.ctx(), G.ggml_rms_norm(gr.ctx(), t, eps_d_), static_cast<float>(mul));
     return std::abs(mul - 1.0) > 1e-12 ? scaled(gr, t, static_cast<float>(mul)) : t;
   }
 
   // g or beta of value heads [h0, h0 + hs) as ggml's {1, 1, T, hs}: read in place (decode) or
   // gathered into `keep`, which the caller holds until the graph has run.
-  ggml_tensor* per_seq(Graph& gr, const at::Tensor& x, int64_t b, int64_t h0, int64_t hs, at::Tensor& keep) const {
+  ggml_tensor* per_seq(Graph& gr, const at::Tensor& x, int64_t b, int64_t h0, int64_t hs,
+                       at::Tensor& keep) const {
     if (gates_direct_) {
-      return gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0, {1, 1, 1, hs}, {4, 4, 4, 4});
+      return gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0, {1, 1, 1, hs},
+                    {4, 4, 4, 4});
     }
     keep = x.select(0, b).narrow(1, h0, hs).t().contiguous().view({hs, dims_.T, 1, 1});
     return gr.view(keep);
@@ -304,7 +326,8 @@ class DeltaNetCall {
     }
     keep = t_state.tensor(hs * D * D).view({hs, 1, D, D});
     if (has_state_) {
-      transpose_blocks(state_t_.data_ptr<float>() + first, D * D, keep.data_ptr<float>(), D * D, hs, D);
+      transpose_blocks(state_t_.data_ptr<float>() + first, D * D, keep.data_ptr<float>(), D * D, hs,
+                       D);
     } else {
       keep.zero_();
     }
@@ -317,9 +340,10 @@ class DeltaNetCall {
     Graph gr(24);
     at::Tensor g_keep, beta_keep, state_keep;  // copies the graph reads: alive until it has run
     ggml_tensor* y = ggml().ggml_gated_delta_net(
-        gr.ctx(), query_or_key(gr, q_, b, h0 / r_, khs, q_mul_), query_or_key(gr, k_, b, h0 / r_, khs, k_mul_),
-        as_f32(gr, heads_as_seqs(gr, v_, b, h0, hs)), per_seq(gr, g_, b, h0, hs, g_keep),
-        per_seq(gr, beta_, b, h0, hs, beta_keep), state_in(gr, b, h0, hs, state_keep), 1);
+        gr.ctx(), query_or_key(gr, q_, b, h0 / r_, khs, q_mul_),
+        query_or_key(gr, k_, b, h0 / r_, khs, k_mul_), as_f32(gr, heads_as_seqs(gr, v_, b, h0, hs)),
+        per_seq(gr, g_, b, h0, hs, g_keep), per_seq(gr, beta_, b, h0, hs, beta_keep),
+        state_in(gr, b, h0, hs, state_keep), 1);
     // {D, hs * (T + D)}: the output (hs, T, D), then the final states (hs, D, D), ggml's layout
     const at::Tensor dst = t_dst.tensor(hs * (T + D) * D).view({hs * (T + D), D});
     gr.compute(y, dst);
@@ -330,9 +354,11 @@ class DeltaNetCall {
     const int64_t T = dims_.T, D = dims_.D, Hv = dims_.Hv;
     const float* dst_mem = dst.data_ptr<float>();
     if (out_direct_) {  // out (B, 1, Hv, D): these heads' rows are hs * D consecutive floats
-      std::memcpy(out_.data_ptr<float>() + (b * Hv + h0) * D, dst_mem, static_cast<size_t>(hs * D) * sizeof(float));
+      std::memcpy(out_.data_ptr<float>() + (b * Hv + h0) * D, dst_mem,
+                  static_cast<size_t>(hs * D) * sizeof(float));
     } else {
-      out_.select(0, b).narrow(1, h0, hs).copy_(dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
+      out_.select(0, b).narrow(1, h0, hs).copy_(
+          dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
     }
     // in place: these heads' input state was read by the graph and is not read again
     std::memcpy(new_state_ggml_.data_ptr<float>() + (b * Hv + h0) * D * D, dst_mem + hs * T * D,
@@ -349,12 +375,10 @@ class DeltaNetCall {
   float eps_d_ = 0.0f;
 };
 
-std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(const at::Tensor& q, const at::Tensor& k,
-                                                        const at::Tensor& v, const at::Tensor& g,
-                                                        const at::Tensor& beta,
-                                                        const std::optional<at::Tensor>& state,
-                                                        bool l2_normalize_qk, std::optional<double> scale,
-                                                        bool in_place) {
+std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const std::optional<at::Tensor>& state, bool l2_normalize_qk,
+    std::optional<double> scale, bool in_place) {
   const DeltaNetDims dims = check_delta_net_inputs(q, k, v, g, beta, state, scale, in_place);
   return DeltaNetCall(q, k, v, g, beta, state, l2_normalize_qk, scale, in_place, dims).run();
 }
@@ -370,8 +394,9 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, cons
   return gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, false);
 }
 
-at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& g,
+                                       const at::Tensor& beta, at::Tensor& state,
                                        bool l2_normalize_qk, std::optional<double> scale) {
   return std::get<0>(gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, true));
 }
@@ -385,9 +410,10 @@ struct ConvDims {
 
 // The rules of both entry points (in_place: the new rolling state overwrites `state`, which must
 // then be given, be float32 or x's dtype, and share no memory with the inputs); returns the dims.
-ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
-                           const std::optional<at::Tensor>& bias, std::optional<c10::string_view> activation,
-                           bool in_place) {
+ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& state,
+                           const std::optional<at::Tensor>& bias,
+                           std::optional<c10::string_view> activation, bool in_place) {
   check_float(x, "x");
   check_dim(x, 3, "x (batch, channels, tokens)");
   check_float(weight, "weight");
@@ -395,23 +421,24 @@ ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight, const 
                     "weight must be (channels, 1, kernel) or (channels, kernel), got shape ",
                     weight.sizes());
   const int64_t B = x.size(0), C = x.size(1), T = x.size(2), K = weight.size(-1);
-  TORCH_CHECK_VALUE(weight.size(0) == C, "weight has ", weight.size(0), " channels but x (batch, channels, tokens) ",
-                    x.sizes(), " has ", C);
-  TORCH_CHECK_VALUE(K >= 1, "the kernel size must be at least 1, got weight shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(0) == C, "weight has ", weight.size(0),
+                    " channels but x (batch, channels, tokens) ", x.sizes(), " has ", C);
+  TORCH_CHECK_VALUE(K >= 1, "the kernel size must be at least 1, got weight shape ",
+                    weight.sizes());
   bool silu = false;
   if (activation.has_value()) {
     const std::string act(activation->data(), activation->size());
-    TORCH_CHECK_VALUE(act == "silu" || act == "swish", "activation must be None, 'silu' or 'swish', got '",
-                      act, "'");
+    TORCH_CHECK_VALUE(act == "silu" || act == "swish",
+                      "activation must be None, 'silu' or 'swish', got '", act, "'");
     silu = true;
   }
   const bool has_state = state.has_value() && state->defined();
   if (has_state) {
     check_float(*state, "state");
-    TORCH_CHECK_VALUE(state->dim() == 3 && state->size(0) == B && state->size(1) == C &&
-                          state->size(2) >= K - 1,
-                      "state must be (batch, channels, >= kernel - 1) = ", shape_str({B, C, K - 1}),
-                      " or wider (transformers keeps ", K, " columns), got ", state->sizes());
+    TORCH_CHECK_VALUE(
+        state->dim() == 3 && state->size(0) == B && state->size(1) == C && state->size(2) >= K - 1,
+        "state must be (batch, channels, >= kernel - 1) = ", shape_str({B, C, K - 1}),
+        " or wider (transformers keeps ", K, " columns), got ", state->sizes());
   }
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
@@ -422,7 +449,8 @@ ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight, const 
   if (in_place) {
     TORCH_CHECK_VALUE(has_state, "causal_conv1d_ updates a state in place: state must not be None");
     TORCH_CHECK_TYPE(state->scalar_type() == at::kFloat || state->scalar_type() == x.scalar_type(),
-                     "state must be float32 or x's dtype (", x.scalar_type(), "), got ", state->scalar_type());
+                     "state must be float32 or x's dtype (", x.scalar_type(), "), got ",
+                     state->scalar_type());
     check_no_internal_overlap(*state, "state");
     check_no_overlap(*state, "state", x, "x");
     check_no_overlap(*state, "state", weight, "weight");
@@ -446,12 +474,18 @@ class ConvCall {
  public:
   ConvCall(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
            const std::optional<at::Tensor>& bias, bool in_place, const ConvDims& dims)
-      : dims_(dims), L_(dims.K - 1 + dims.T), in_place_(in_place), has_state_(state.has_value() && state->defined()),
-        has_bias_(bias.has_value() && bias->defined()), x_(x), state_(has_state_ ? *state : at::Tensor()),
+      : dims_(dims),
+        L_(dims.K - 1 + dims.T),
+        in_place_(in_place),
+        has_state_(state.has_value() && state->defined()),
+        has_bias_(bias.has_value() && bias->defined()),
+        x_(x),
+        state_(has_state_ ? *state : at::Tensor()),
         w_(weight.reshape({dims.C, dims.K}).to(at::kFloat).contiguous()),
         bias_(has_bias_ ? bias->to(at::kFloat).contiguous() : at::Tensor()),
         out_(at::empty({dims.B, dims.T, dims.C}, x.options())),
-        rolled_(in_place && dims.W == L_ && dims.T > 0 && state_.scalar_type() == at::kFloat && state_.is_contiguous()) {}
+        rolled_(in_place && dims.W == L_ && dims.T > 0 && state_.scalar_type() == at::kFloat &&
+                state_.is_contiguous()) {}
 
   // (y (B, C, T), the new rolling state: `state` itself in place)
   std::tuple<at::Tensor, at::Tensor> run() {
@@ -479,12 +513,14 @@ class ConvCall {
     const bool out_f32 = x_.scalar_type() == at::kFloat;
     const int64_t block = std::max<int64_t>(16, (int64_t{1} << 18) / (4 * L_ * B) / 16 * 16);
     // float32 conv results of this chunk: straight into out, or a buffer when out is bf16/f16
-    const at::Tensor conv = out_f32 ? out_.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
+    const at::Tensor conv =
+        out_f32 ? out_.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
     for (int64_t cb = c0; cb < c1; cb += block) {
       const int64_t cs = std::min(block, c1 - cb);
       const at::Tensor sx = rolled_ ? roll_state(cb, cs) : gather_input(cb, cs);
       Graph gr(8);
-      ggml_tensor* y = G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w_.narrow(0, cb, cs)));  // {cs, T, B}
+      ggml_tensor* y =
+          G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w_.narrow(0, cb, cs)));  // {cs, T, B}
       gr.compute(y, conv.narrow(2, cb - c0, cs));
     }
     if (!has_bias_ && !dims_.silu && out_f32) return;
@@ -517,8 +553,10 @@ class ConvCall {
     const at::Tensor sx = t_conv.tensor(dims_.B * cs * L_).view({dims_.B, cs, L_});
     float* sxp = sx.data_ptr<float>();
     if (K > 1) {
-      if (has_state_) gather_rows(state_.narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L_, 0);
-      else sx.narrow(2, 0, K - 1).zero_();
+      if (has_state_)
+        gather_rows(state_.narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L_, 0);
+      else
+        sx.narrow(2, 0, K - 1).zero_();
     }
     gather_rows(x_.narrow(1, cb, cs), sxp, L_, K - 1);
     return sx;
@@ -527,12 +565,16 @@ class ConvCall {
   // The new rolling state: the last W columns of [state | x] (zeros before the first input).
   at::Tensor rolling_state() const {
     const int64_t T = dims_.T, W = dims_.W;
-    at::Tensor new_state = at::empty({dims_.B, dims_.C, W}, x_.options().dtype(has_state_ ? state_.scalar_type() : x_.scalar_type()));
+    at::Tensor new_state =
+        at::empty({dims_.B, dims_.C, W},
+                  x_.options().dtype(has_state_ ? state_.scalar_type() : x_.scalar_type()));
     if (T >= W) {
       new_state.copy_(x_.narrow(2, T - W, W));
     } else {
-      if (has_state_) new_state.narrow(2, 0, W - T).copy_(state_.narrow(2, T, W - T));
-      else new_state.narrow(2, 0, W - T).zero_();
+      if (has_state_)
+        new_state.narrow(2, 0, W - T).copy_(state_.narrow(2, T, W - T));
+      else
+        new_state.narrow(2, 0, W - T).zero_();
       if (T > 0) new_state.narrow(2, W - T, T).copy_(x_);
     }
     return new_state;
@@ -564,8 +606,8 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
   return causal_conv1d_impl(x, weight, state, bias, activation, false);
 }
 
-at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
-                                     const std::optional<at::Tensor>& bias,
+at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                     at::Tensor& state, const std::optional<at::Tensor>& bias,
                                      std::optional<c10::string_view> activation) {
   return std::get<0>(causal_conv1d_impl(x, weight, state, bias, activation, true));
 }
@@ -601,16 +643,18 @@ std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::
   const int64_t H = A_log.size(0);
   TORCH_CHECK_VALUE(dt_bias.dim() == 1 && dt_bias.size(0) == H, "dt_bias must be (", H,
                     ",) like A_log, got ", dt_bias.sizes());
-  TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == H, "a must be (..., ", H, ") (one value per head), got ",
-                    a.sizes());
-  TORCH_CHECK_VALUE(b.sizes() == a.sizes(), "b must have a's shape ", a.sizes(), ", got ", b.sizes());
+  TORCH_CHECK_VALUE(a.dim() >= 1 && a.size(-1) == H, "a must be (..., ", H,
+                    ") (one value per head), got ", a.sizes());
+  TORCH_CHECK_VALUE(b.sizes() == a.sizes(), "b must have a's shape ", a.sizes(), ", got ",
+                    b.sizes());
   auto g = at::empty(a.sizes(), a.options().dtype(at::kFloat));
   auto beta = at::empty(b.sizes(), b.options().dtype(at::kFloat));
   const int64_t rows = H > 0 ? a.numel() / H : 0;
   if (rows == 0 || H == 0) return {g, beta};
   // Every tensor a graph reads is held by a name here until the graph has run (a temporary's
   // memory would be freed, possibly reused, before ggml reads it).
-  const at::Tensor A32 = A_log.to(at::kFloat).contiguous(), dt32 = dt_bias.to(at::kFloat).contiguous();
+  const at::Tensor A32 = A_log.to(at::kFloat).contiguous(),
+                   dt32 = dt_bias.to(at::kFloat).contiguous();
   const at::Tensor a2 = a.reshape({rows, H}).contiguous(), b2 = b.reshape({rows, H}).contiguous();
   const auto& G = ggml();
   {  // g = softplus(a + dt_bias) * -exp(A_log)
@@ -642,14 +686,16 @@ at::Tensor gated_rms_norm_cpu(const at::Tensor& x, const at::Tensor& gate, const
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == D, "weight must be (", D, ",), got ",
                     weight.sizes());
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
-  const at::Tensor x2 = x.reshape({rows, D}).contiguous(), z2 = gate.reshape({rows, D}).contiguous();
+  const at::Tensor x2 = x.reshape({rows, D}).contiguous(),
+                   z2 = gate.reshape({rows, D}).contiguous();
   const at::Tensor w32 = weight.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, D}, x.options());
   parallel_chunks(rows, std::max<int64_t>(1, 16384 / D), 1, 1, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();
     Graph gr(12);
     ggml_context* ctx = gr.ctx();
-    ggml_tensor* t = G.ggml_rms_norm(ctx, as_f32(gr, gr.view(x2.narrow(0, r0, r1 - r0))), static_cast<float>(eps));
+    ggml_tensor* t = G.ggml_rms_norm(ctx, as_f32(gr, gr.view(x2.narrow(0, r0, r1 - r0))),
+                                     static_cast<float>(eps));
     t = G.ggml_mul(ctx, t, gr.view(w32));
     ggml_tensor* z = as_f32(gr, gr.view(z2.narrow(0, r0, r1 - r0)));
     t = G.ggml_swiglu_split(ctx, z, t);  // silu(gate) * normed

@@ -7,19 +7,24 @@ GGML_KERNELS_LIBRARY(m) {
   // Gated delta rule, transformers' layout: q, k (B, T, Hk, D), v (B, T, Hv, D), g and beta
   // (B, T, Hv), state (B, Hv, D, D) float32 or None -> (output (B, T, Hv, D) in q's dtype,
   // final state (B, Hv, D, D) float32). Value head h reads key head h // (Hv / Hk).
-  m.def("gated_delta_net(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? state, "
-        "bool l2_normalize_qk, float? scale) -> (Tensor, Tensor)");
+  m.def(
+      "gated_delta_net(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? state, "
+      "bool l2_normalize_qk, float? scale) -> (Tensor, Tensor)");
   // The same, with the final state written over `state` (ggml's layout: a state gated_delta_net
   // returned, or a zeros_like of one) -> output. Decode with a cache: no new state, no copy back.
-  m.def("gated_delta_net_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
-        "bool l2_normalize_qk, float? scale) -> Tensor");
+  m.def(
+      "gated_delta_net_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
+      "bool l2_normalize_qk, float? scale) -> Tensor");
   // Short causal depthwise conv with a rolling state: x (B, C, T), weight (C, 1, K) or (C, K),
   // state (B, C, W >= K - 1) or None -> (y (B, C, T) in x's dtype, new state (B, C, W or K)).
-  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? state, Tensor? bias, str? activation) "
-        "-> (Tensor, Tensor)");
+  m.def(
+      "causal_conv1d(Tensor x, Tensor weight, Tensor? state, Tensor? bias, str? activation) "
+      "-> (Tensor, Tensor)");
   // The same, with the new rolling state written over `state` -> y. Decode with a cache: the
   // state is rolled in place and the conv reads it there.
-  m.def("causal_conv1d_(Tensor x, Tensor weight, Tensor(a!) state, Tensor? bias, str? activation) -> Tensor");
+  m.def(
+      "causal_conv1d_(Tensor x, Tensor weight, Tensor(a!) state, Tensor? bias, str? activation) -> "
+      "Tensor");
   // x * rsqrt(sum(x^2) + eps) over the last dim, as Qwen3.5 (and FLA) normalise q and k.
   m.def("l2_norm(Tensor x, float eps) -> Tensor");
   // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); float32.

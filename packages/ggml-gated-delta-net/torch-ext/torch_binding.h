@@ -13,15 +13,16 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, cons
                                                        const std::optional<at::Tensor>& state,
                                                        bool l2_normalize_qk,
                                                        std::optional<double> scale);
-at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& g,
+                                       const at::Tensor& beta, at::Tensor& state,
                                        bool l2_normalize_qk, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
                                                      const std::optional<at::Tensor>& state,
                                                      const std::optional<at::Tensor>& bias,
                                                      std::optional<c10::string_view> activation);
-at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
-                                     const std::optional<at::Tensor>& bias,
+at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                     at::Tensor& state, const std::optional<at::Tensor>& bias,
                                      std::optional<c10::string_view> activation);
 at::Tensor l2_norm_cpu(const at::Tensor& x, double eps);
 std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::Tensor& a,

@@ -47,7 +47,8 @@ void check_input(const at::Tensor& x) {
 }
 
 void check_eps(double eps) {
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ",
+                    eps);
 }
 
 // A per-feature parameter (weight, bias): 1-D with x's last dim.
@@ -73,10 +74,12 @@ class F32Vector {
     n_ = wc.size(0);
     buf_.resize(static_cast<size_t>(n_));
     const float add = plus_one ? 1.0f : 0.0f;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "ggml_norm_weight", [&] {
-      const scalar_t* src = wc.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < n_; ++i) buf_[i] = static_cast<float>(src[i]) + add;
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "ggml_norm_weight",
+                                    [&] {
+                                      const scalar_t* src = wc.data_ptr<scalar_t>();
+                                      for (int64_t i = 0; i < n_; ++i)
+                                        buf_[i] = static_cast<float>(src[i]) + add;
+                                    });
   }
   // A ggml tensor {n} over the values (valid while this object lives).
   ggml_tensor* view(Graph& g) const {
@@ -100,11 +103,11 @@ ggml_tensor* round_to(Graph& g, ggml_tensor* t, ggml_type type) {
   return type == GGML_TYPE_F32 ? t : cast_to(g, cast_to(g, t, type), GGML_TYPE_F32);
 }
 
-// F.normalize's NaN for clamp mode: a row holding NaN has a NaN norm, so all of its outputs are NaN.
-// ggml's l2_norm clamps the norm with fmaxf, which drops the NaN (the norm becomes eps), and scales the
-// row's other values by 1 / eps. A NaN input always gives a NaN output at its place, so only rows
-// whose output holds NaN are looked at again (a row holding inf but no NaN gives NaN at the inf, 0
-// elsewhere, as F.normalize does, and is left alone).
+// F.normalize's NaN for clamp mode: a row holding NaN has a NaN norm, so all of its outputs are
+// NaN. ggml's l2_norm clamps the norm with fmaxf, which drops the NaN (the norm becomes eps), and
+// scales the row's other values by 1 / eps. A NaN input always gives a NaN output at its place, so
+// only rows whose output holds NaN are looked at again (a row holding inf but no NaN gives NaN at
+// the inf, 0 elsewhere, as F.normalize does, and is left alone).
 template <typename T>
 bool has_nan(const T* p, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
@@ -114,16 +117,17 @@ bool has_nan(const T* p, int64_t n) {
 
 void nan_rows_like_normalize(const at::Tensor& x, at::Tensor& out, int64_t r0, int64_t r1) {
   const int64_t n = out.size(-1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "ggml_l2_norm_nan", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();  // contiguous: made by the op
-    for (int64_t r = r0; r < r1; ++r) {
-      scalar_t* row = o + r * n;
-      if (!has_nan(row, n)) continue;
-      if (x.reshape({-1, n}).select(0, r).isnan().any().item<bool>()) {  // rare: a copy is fine
-        std::fill(row, row + n, std::numeric_limits<scalar_t>::quiet_NaN());
-      }
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, out.scalar_type(), "ggml_l2_norm_nan", [&] {
+        scalar_t* o = out.data_ptr<scalar_t>();  // contiguous: made by the op
+        for (int64_t r = r0; r < r1; ++r) {
+          scalar_t* row = o + r * n;
+          if (!has_nan(row, n)) continue;
+          if (x.reshape({-1, n}).select(0, r).isnan().any().item<bool>()) {  // rare: a copy is fine
+            std::fill(row, row + n, std::numeric_limits<scalar_t>::quiet_NaN());
+          }
+        }
+      });
 }
 
 // fn(row0, row1) over slices of `rows` rows of n values: at least kMinChunkBytes each, and for
@@ -149,15 +153,19 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& we
   const bool has_b = bias.has_value() && bias->defined();
   if (has_w) check_vector(*weight, n, "weight");
   if (has_b) check_vector(*bias, n, "bias");
-  TORCH_CHECK_VALUE(has_w || !zero_centered, "zero_centered needs a weight: it computes norm(x) * (1 + weight)");
+  TORCH_CHECK_VALUE(has_w || !zero_centered,
+                    "zero_centered needs a weight: it computes norm(x) * (1 + weight)");
   if (cast_before_weight) {
-    TORCH_CHECK_VALUE(has_w, "cast_before_weight needs a weight: it computes weight * norm(x).to(x.dtype)");
-    TORCH_CHECK_VALUE(!zero_centered && !has_b,
-                      "cast_before_weight (Llama's rounding: weight * norm(x).to(x.dtype)) takes no "
-                      "bias and cannot be zero_centered");
+    TORCH_CHECK_VALUE(
+        has_w, "cast_before_weight needs a weight: it computes weight * norm(x).to(x.dtype)");
+    TORCH_CHECK_VALUE(
+        !zero_centered && !has_b,
+        "cast_before_weight (Llama's rounding: weight * norm(x).to(x.dtype)) takes no "
+        "bias and cannot be zero_centered");
   }
-  const at::ScalarType out_dtype =
-      cast_before_weight ? at::promote_types(x.scalar_type(), weight->scalar_type()) : x.scalar_type();
+  const at::ScalarType out_dtype = cast_before_weight
+                                       ? at::promote_types(x.scalar_type(), weight->scalar_type())
+                                       : x.scalar_type();
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   if (x.numel() == 0) return out;
 
@@ -170,7 +178,8 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& we
   for_row_slices(x_rows.rows(), n, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();
     Graph g(16);
-    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
+    ggml_tensor* y =
+        G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
     if (cast_before_weight) y = round_to(g, y, x_type);
     if (has_w) y = G.ggml_mul(g.ctx(), y, w.view(g));  // fused with the norm when it follows it
     if (has_b) y = G.ggml_add(g.ctx(), y, b.view(g));
@@ -185,8 +194,8 @@ at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& z, const at
   check_eps(eps);
   const int64_t n = x.size(-1);
   check_float(z, "z");
-  TORCH_CHECK_VALUE(z.sizes() == x.sizes(), "z (the gate) must have x's shape ", x.sizes(), ", got ",
-                    z.sizes());
+  TORCH_CHECK_VALUE(z.sizes() == x.sizes(), "z (the gate) must have x's shape ", x.sizes(),
+                    ", got ", z.sizes());
   check_vector(weight, n, "weight");
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
@@ -194,12 +203,14 @@ at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& z, const at
   const Rows x_rows(x), z_rows(z), out_rows(out);
   const F32Vector w(weight, false);
   const ggml_type x_type = ggml_type_of(x.scalar_type());
-  const ggml_type prod_type = ggml_type_of(at::promote_types(x.scalar_type(), weight.scalar_type()));
+  const ggml_type prod_type =
+      ggml_type_of(at::promote_types(x.scalar_type(), weight.scalar_type()));
   const float feps = static_cast<float>(eps);
   for_row_slices(x_rows.rows(), n, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();
     Graph g(16);
-    ggml_tensor* y = G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
+    ggml_tensor* y =
+        G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
     if (cast_before_weight) y = round_to(g, y, x_type);
     y = G.ggml_mul(g.ctx(), y, w.view(g));
     if (cast_before_weight) y = round_to(g, y, prod_type);
@@ -214,7 +225,8 @@ at::Tensor l2_norm_cpu(const at::Tensor& x, double eps, c10::string_view mode) {
   check_input(x);
   check_eps(eps);
   const bool clamp = mode == "clamp";
-  TORCH_CHECK_VALUE(clamp || mode == "rsqrt", "mode must be \"clamp\" (x / max(||x||, eps), ggml's "
+  TORCH_CHECK_VALUE(clamp || mode == "rsqrt",
+                    "mode must be \"clamp\" (x / max(||x||, eps), ggml's "
                     "l2_norm) or \"rsqrt\" (x / sqrt(||x||^2 + eps), transformers' l2norm), got \"",
                     std::string(mode), "\"");
   const int64_t n = x.size(-1);

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from tools.testing.kernel_testing import load_kernel
 
 

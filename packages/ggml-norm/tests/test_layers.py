@@ -16,8 +16,9 @@ import copy
 
 import pytest
 import torch
-from tools.testing.kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+from tools.testing.kernel_testing import variant_dir
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DT_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}

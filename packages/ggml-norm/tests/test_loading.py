@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tools.testing.kernel_testing import CPU_LEVELS, run_fresh
 
 REPO_ID = "ggml-org/ggml-norm"

@@ -276,7 +276,7 @@ def test_threads_split_rows_identically(gn, dtype):
         many = [gn.rms_norm(x, w, zero_centered=True), gn.rms_norm_gated(x, z, w), gn.l2_norm(x, mode="rsqrt")]
     finally:
         torch.set_num_threads(prev)
-    for a, b in zip(one, many):
+    for a, b in zip(one, many, strict=True):
         assert torch.equal(a, b)
 
 

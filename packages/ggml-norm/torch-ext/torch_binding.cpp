@@ -8,10 +8,13 @@ GGML_KERNELS_LIBRARY(m) {
   // * (1 + weight) if zero_centered), then + bias. Output in x's dtype; with cast_before_weight
   // (Llama's rounding) the norm is rounded to x's dtype first and the output takes
   // promote(x, weight).
-  m.def("rms_norm(Tensor x, Tensor? weight, Tensor? bias, float eps, bool zero_centered, "
-        "bool cast_before_weight) -> Tensor");
+  m.def(
+      "rms_norm(Tensor x, Tensor? weight, Tensor? bias, float eps, bool zero_centered, "
+      "bool cast_before_weight) -> Tensor");
   // rms_norm(x) * weight * silu(z), z of x's shape; output in x's dtype.
-  m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps, bool cast_before_weight) -> Tensor");
+  m.def(
+      "rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps, bool cast_before_weight) -> "
+      "Tensor");
   // mode "clamp": x / max(||x||, eps) (ggml_l2_norm); "rsqrt": x / sqrt(||x||^2 + eps).
   m.def("l2_norm(Tensor x, float eps, str mode) -> Tensor");
 }

@@ -4,7 +4,8 @@
 // activation rows are quantized to the weight type's vec_dot_type (once per call, by ggml-cpu's
 // own converter), then ggml's SIMD dot products (or llamafile's sgemm for larger batches) run. The
 // weight's rows are split over torch's threads, one single-threaded graph per slice writing its
-// columns of the output, as ggml's own threadpool would split them. dequantize / get_rows / quantize call ggml's per-type row converters directly.
+// columns of the output, as ggml's own threadpool would split them. dequantize / get_rows /
+// quantize call ggml's per-type row converters directly.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -22,16 +23,18 @@ using namespace ggml_kernels;
 
 namespace {
 
-// Values per packed row of a product's weight, from the row's byte size; ValueError if it is not whole
-// blocks, or more values than ggml's dot products count (they take the row length as an int).
+// Values per packed row of a product's weight, from the row's byte size; ValueError if it is not
+// whole blocks, or more values than ggml's dot products count (they take the row length as an int).
 int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
   const auto& G = ggml();
   const int64_t rb = blocks.size(-1);
   const int64_t ts = static_cast<int64_t>(G.ggml_type_size(type));
-  TORCH_CHECK_VALUE(rb > 0 && rb % ts == 0, name, " rows of ", rb, " bytes are not a whole number of ",
-                    type_name(type), " blocks (", ts, " bytes each)");
+  TORCH_CHECK_VALUE(rb > 0 && rb % ts == 0, name, " rows of ", rb,
+                    " bytes are not a whole number of ", type_name(type), " blocks (", ts,
+                    " bytes each)");
   const int64_t k = rb / ts * G.ggml_blck_size(type);
-  TORCH_CHECK_VALUE(k <= std::numeric_limits<int32_t>::max(), name, " rows hold ", k, " values; ggml's dot "
+  TORCH_CHECK_VALUE(k <= std::numeric_limits<int32_t>::max(), name, " rows hold ", k,
+                    " values; ggml's dot "
                     "products take at most 2^31 - 1");
   return k;
 }
@@ -48,8 +51,8 @@ void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks,
     TORCH_CHECK_VALUE(x.dim() >= 1, "x must be (..., K) with at least one dim, got a 0-D tensor");
   }
   TORCH_CHECK_VALUE(x.size(-1) == k, "x has ", x.size(-1), " features (shape ", x.sizes(),
-                    ") but the ", type_name(type), " weight rows hold ", k,
-                    " values (", blocks.size(-1), " bytes)");
+                    ") but the ", type_name(type), " weight rows hold ", k, " values (",
+                    blocks.size(-1), " bytes)");
 }
 
 // x's shape with the last dim replaced by n: the shape of x @ W.T for a weight of n rows.
@@ -91,7 +94,9 @@ at::Tensor float_view(const at::Tensor& blocks, ggml_type type, int64_t cols) {
 // Weight rows a chunk takes at least: ~256 KiB of packed weights, since every chunk is a ggml graph
 // of its own and small matrices are done before another thread would wake up: a 1024x1024 Q4_0
 // weight (576 KiB) makes two chunks, a 9216x2560 Q4_K one eight (threads take them as they go).
-int64_t min_rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
+int64_t min_rows_per_task(int64_t row_bytes) {
+  return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes);
+}
 
 // The activations as ggml-cpu's dot products read them: each row of x (M, K) float32 converted to
 // the weight type's vec_dot_type (Q8_0, Q8_1, Q8_K, F16, BF16) by ggml-cpu's own from_float, the
@@ -119,20 +124,20 @@ bool is_float_type(ggml_type t) {
 }
 
 // Rows of activations up to which mul_mat calls ggml-cpu's dot product per (weight row, activation
-// row) itself (a decode step of one sequence). For one row ggml's mul_mat computes exactly these dot
-// products for every type (x86 type traits have nrows == 1, and llamafile's sgemm declines a single
-// column: "only enable sgemm for prompt processing"), so the results are bit-identical, minus the
-// cost of building and planning a graph per slice, which for a decode step's small matrices is a
-// good part of the op. At M = 8 ggml's own blocked loop was faster on large Q4_K weights
-// (0.72x-0.83x: MulMatVec against MulMatVec_ggml in benchmarks/benchmark_mul_mat.py), so more rows
-// keep the graph.
+// row) itself (a decode step of one sequence). For one row ggml's mul_mat computes exactly these
+// dot products for every type (x86 type traits have nrows == 1, and llamafile's sgemm declines a
+// single column: "only enable sgemm for prompt processing"), so the results are bit-identical,
+// minus the cost of building and planning a graph per slice, which for a decode step's small
+// matrices is a good part of the op. At M = 8 ggml's own blocked loop was faster on large Q4_K
+// weights (0.72x-0.83x: MulMatVec against MulMatVec_ggml in benchmarks/benchmark_mul_mat.py), so
+// more rows keep the graph.
 constexpr int64_t kDirectDotRows = 1;
 
 // How far ahead of the row being multiplied its weight rows are requested from memory (software
 // prefetch). A decode step streams every weight from DRAM once, and the hardware prefetchers alone
-// leave the dot products waiting: measured in one process, alternating distances (2 threads, weights
-// cycled through 300 MB): 3584x1024 Q4_K 74.5 -> 66.5 us, 1024x3584 Q6_K 87.9 -> 74.9 us, 1536x576
-// Q4_1 33.1 -> 30.7 us with rows ~4 KB ahead (1-8 KB alike).
+// leave the dot products waiting: measured in one process, alternating distances (2 threads,
+// weights cycled through 300 MB): 3584x1024 Q4_K 74.5 -> 66.5 us, 1024x3584 Q6_K 87.9 -> 74.9 us,
+// 1536x576 Q4_1 33.1 -> 30.7 us with rows ~4 KB ahead (1-8 KB alike).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // One packed weight of a one-row product: its rows, its dot product, the activation row quantized
@@ -150,25 +155,30 @@ struct DotRows {
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 16;
 
 // out_w = x @ W.T for one activation row and every weight W of `dots` (each with k columns), with
-// ggml-cpu's vec_dot. The weights' rows are laid end to end and cut into one contiguous run of about
-// equal bytes per thread: streaming from DRAM, two long runs beat finer chunks taken from a shared
-// counter (A/B in one process, 2 threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584 Q6_K 75.0 ->
-// 62.8 us against 8 chunks per thread; 2 per thread was in between). Several weights that read the
-// same activations (q/k/v, gate/up) so share one parallel region, and small ones are not left to a
-// single thread. The workers run no torch code, so no thread-local state is passed to them.
+// ggml-cpu's vec_dot. The weights' rows are laid end to end and cut into one contiguous run of
+// about equal bytes per thread: streaming from DRAM, two long runs beat finer chunks taken from a
+// shared counter (A/B in one process, 2 threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584
+// Q6_K 75.0 -> 62.8 us against 8 chunks per thread; 2 per thread was in between). Several weights
+// that read the same activations (q/k/v, gate/up) so share one parallel region, and small ones are
+// not left to a single thread. The workers run no torch code, so no thread-local state is passed to
+// them.
 void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
   int64_t total = 0;
   for (const auto& d : dots) total += d.rows * d.row_bytes;
-  const int64_t threads = std::clamp<int64_t>(total / kMinBytesPerThread, 1, std::max(1, at::get_num_threads()));
+  const int64_t threads =
+      std::clamp<int64_t>(total / kMinBytesPerThread, 1, std::max(1, at::get_num_threads()));
   auto run = [&](int64_t t) {  // rows whose first byte lies in [lo, hi) of the laid-out weights
     const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
     int64_t base = 0;
     for (const auto& d : dots) {
       const int64_t size = d.rows * d.row_bytes;
-      const int64_t r0 = std::clamp<int64_t>((lo - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
-      const int64_t r1 = std::clamp<int64_t>((hi - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
+      const int64_t r0 =
+          std::clamp<int64_t>((lo - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
+      const int64_t r1 =
+          std::clamp<int64_t>((hi - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
       base += size;
-      const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + d.row_bytes - 1) / d.row_bytes);
+      const int64_t pf_rows =
+          std::max<int64_t>(1, (kPrefetchBytes + d.row_bytes - 1) / d.row_bytes);
       for (int64_t i = r0; i < r1; ++i) {
         if (i + pf_rows < r1) {
           const char* ahead = reinterpret_cast<const char*>(d.w + (i + pf_rows) * d.stride);
@@ -188,28 +198,34 @@ void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
 }
 
 DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, at::Tensor& out) {
-  return {static_cast<const uint8_t*>(blocks.data_ptr()), blocks.stride(0), blocks.size(1), blocks.size(0),
-          ggml().ggml_get_type_traits_cpu(type)->vec_dot, static_cast<const uint8_t*>(xq.data_ptr()),
+  return {static_cast<const uint8_t*>(blocks.data_ptr()),
+          blocks.stride(0),
+          blocks.size(1),
+          blocks.size(0),
+          ggml().ggml_get_type_traits_cpu(type)->vec_dot,
+          static_cast<const uint8_t*>(xq.data_ptr()),
           out.data_ptr<float>()};
 }
 
 // (token, expert) pairs up to which mul_mat_id calls the dot products itself, as mul_mat does for
-// one row: a decode step of one sequence (its top-k experts for gate/up, then one expert per row for
-// down). ggml's mul_mat_id computes the same per-row dot products, so the results are bit-identical.
+// one row: a decode step of one sequence (its top-k experts for gate/up, then one expert per row
+// for down). ggml's mul_mat_id computes the same per-row dot products, so the results are
+// bit-identical.
 constexpr int64_t kDirectDotPairs = 16;
 
-// out (t, n_ids, n)[i, j] = W[ids[i, j]] @ x[i], ggml-cpu's vec_dot on the quantized rows xq (t, *).
-// The (pair, weight row) items are split into one contiguous run per thread, prefetched as in
+// out (t, n_ids, n)[i, j] = W[ids[i, j]] @ x[i], ggml-cpu's vec_dot on the quantized rows xq (t,
+// *). The (pair, weight row) items are split into one contiguous run per thread, prefetched as in
 // direct_dot_rows.
-void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xq,
-                           const at::Tensor& ids32, at::Tensor& out) {
+void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k,
+                           const at::Tensor& xq, const at::Tensor& ids32, at::Tensor& out) {
   const auto vec_dot = ggml().ggml_get_type_traits_cpu(type)->vec_dot;
   const auto* w = static_cast<const uint8_t*>(blocks.data_ptr());
   const auto* xp = static_cast<const uint8_t*>(xq.data_ptr());
   const int32_t* id = ids32.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
   const int64_t n_ids = ids32.size(1), n = out.size(2);
-  const int64_t expert_stride = blocks.stride(0), row_stride = blocks.stride(1), x_stride = xq.stride(0);
+  const int64_t expert_stride = blocks.stride(0), row_stride = blocks.stride(1),
+                x_stride = xq.stride(0);
   const int64_t row_bytes = blocks.size(2);
   const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
   const int64_t min_items = std::max<int64_t>(16, (int64_t{1} << 16) / row_bytes);
@@ -229,16 +245,17 @@ void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k, 
 }
 
 // Checks one packed weight (N, row_bytes) of a product with x (..., K); returns its type and K.
-std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t type_id, int64_t out_features,
-                                           const at::Tensor& x, const char* name) {
+std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t type_id,
+                                           int64_t out_features, const at::Tensor& x,
+                                           const char* name) {
   const ggml_type type = check_storage_type(type_id);
   check_cpu(blocks, name);
   check_dtype(blocks, {at::kByte}, name);
   check_dim(blocks, 2, name);
   const int64_t k = cols_of(blocks, type, name);
   check_packed(blocks, type, k, name);
-  TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but ", name, " has ",
-                    blocks.size(0), " rows");
+  TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but ", name,
+                    " has ", blocks.size(0), " rows");
   check_activations(x, k, blocks, type);
   return {type, k};
 }
@@ -247,15 +264,16 @@ std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t typ
 // (ValueError if the type needs one).
 at::Tensor checked_imatrix(const std::optional<at::Tensor>& imatrix, int64_t cols, ggml_type type) {
   if (!imatrix.has_value() || !imatrix->defined()) {
-    TORCH_CHECK_VALUE(!ggml().ggml_quantize_requires_imatrix(type), type_name(type),
-                      " quantization needs an importance matrix: pass imatrix (float32, one value per "
-                      "column; torch.ones(cols) weighs all columns equally)");
+    TORCH_CHECK_VALUE(
+        !ggml().ggml_quantize_requires_imatrix(type), type_name(type),
+        " quantization needs an importance matrix: pass imatrix (float32, one value per "
+        "column; torch.ones(cols) weighs all columns equally)");
     return {};
   }
   check_cpu(*imatrix, "imatrix");
   check_dtype(*imatrix, {at::kFloat}, "imatrix");
-  TORCH_CHECK_VALUE(imatrix->dim() == 1 && imatrix->size(0) == cols, "imatrix must be 1-D with ", cols,
-                    " values (one importance per column), got shape ", imatrix->sizes());
+  TORCH_CHECK_VALUE(imatrix->dim() == 1 && imatrix->size(0) == cols, "imatrix must be 1-D with ",
+                    cols, " values (one importance per column), got shape ", imatrix->sizes());
   at::Tensor im = imatrix->contiguous();
   TORCH_CHECK_VALUE(at::isfinite(im).all().item<bool>() && (im >= 0).all().item<bool>(),
                     "imatrix values must be finite and >= 0");
@@ -267,13 +285,19 @@ at::Tensor checked_imatrix(const std::optional<at::Tensor>& imatrix, int64_t col
 // ggml (20000 rows per type, constant, gaussian, spiky and all-magnitude rows and importances)
 // found no abort with |x| and imatrix up to 2^40, and aborts from 2^44 for both (from |x| = 2^24
 // with an importance of 2^90, from |x| = 2^50 with importances of 1). quantize takes up to 2^32 of
-// each. Far below that the values are out of the formats' reach anyway: a block's scale is a float16.
+// each. Far below that the values are out of the formats' reach anyway: a block's scale is a
+// float16.
 constexpr double kGridSearchLimit = 4294967296.0;  // 2^32
 
 bool is_grid_search_type(ggml_type t) {
   switch (t) {
-    case GGML_TYPE_IQ1_S: case GGML_TYPE_IQ1_M: case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS:
-    case GGML_TYPE_IQ2_S: case GGML_TYPE_IQ3_XXS: case GGML_TYPE_IQ3_S: return true;
+    case GGML_TYPE_IQ1_S:
+    case GGML_TYPE_IQ1_M:
+    case GGML_TYPE_IQ2_XXS:
+    case GGML_TYPE_IQ2_XS:
+    case GGML_TYPE_IQ2_S:
+    case GGML_TYPE_IQ3_XXS:
+    case GGML_TYPE_IQ3_S: return true;
     default: return false;
   }
 }
@@ -283,12 +307,14 @@ void check_grid_search_range(ggml_type type, const at::Tensor& xf, const at::Ten
   if (!is_grid_search_type(type)) return;
   const double x_max = xf.abs().max().item<double>();
   TORCH_CHECK_VALUE(x_max <= kGridSearchLimit, type_name(type), " quantization takes |x| <= 2^32 (",
-                    kGridSearchLimit, "), beyond which ggml's quantizer overflows float32 and aborts; x holds ",
+                    kGridSearchLimit,
+                    "), beyond which ggml's quantizer overflows float32 and aborts; x holds ",
                     x_max);
   if (!im.defined()) return;
   const double im_max = im.max().item<double>();
-  TORCH_CHECK_VALUE(im_max <= kGridSearchLimit, type_name(type), " quantization takes imatrix values <= 2^32 (",
-                    kGridSearchLimit, "), beyond which ggml's quantizer overflows float32 and aborts; imatrix holds ",
+  TORCH_CHECK_VALUE(im_max <= kGridSearchLimit, type_name(type),
+                    " quantization takes imatrix values <= 2^32 (", kGridSearchLimit,
+                    "), beyond which ggml's quantizer overflows float32 and aborts; imatrix holds ",
                     im_max);
 }
 
@@ -310,22 +336,24 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   }
   const ggml_type vdt = traits->vec_dot_type;
   const at::Tensor xf2 = xf.view({m, k}), out2 = out.view({m, out_features});
-  parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, 4, [&](int64_t n0, int64_t n1) {
-    Graph g(8);
-    ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
-    ggml_tensor* xt = xq.defined() ? g.packed(xq, vdt, k) : g.view(xf2);
-    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, xt);  // {n1 - n0, M}
-    g.compute(y, out2.narrow(1, n0, n1 - n0));
-  });
+  parallel_chunks(out_features, min_rows_per_task(blocks.size(1)), 16, 4,
+                  [&](int64_t n0, int64_t n1) {
+                    Graph g(8);
+                    ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
+                    ggml_tensor* xt = xq.defined() ? g.packed(xq, vdt, k) : g.view(xf2);
+                    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, xt);  // {n1 - n0, M}
+                    g.compute(y, out2.narrow(1, n0, n1 - n0));
+                  });
   return out;
 }
 
-std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tensor& x, at::IntArrayRef type_ids,
-                                          at::IntArrayRef out_features) {
+std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tensor& x,
+                                          at::IntArrayRef type_ids, at::IntArrayRef out_features) {
   const size_t n = blocks.size();
   TORCH_CHECK_VALUE(n > 0, "mul_mat_group needs at least one weight");
-  TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n, " weights, ",
-                    type_ids.size(), " ggml types and ", out_features.size(), " out_features: one each");
+  TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n,
+                    " weights, ", type_ids.size(), " ggml types and ", out_features.size(),
+                    " out_features: one each");
   std::vector<ggml_type> types(n);
   // x (..., K) checked against every weight below; m rows of it
   const int64_t m = x.dim() >= 1 && x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
@@ -334,12 +362,14 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
     const std::string name = "blocks[" + std::to_string(i) + "]";
     types[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
     const auto* traits = ggml().ggml_get_type_traits_cpu(types[i]);
-    direct = direct && !is_float_type(types[i]) && traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1;
+    direct = direct && !is_float_type(types[i]) && traits->vec_dot_type != GGML_TYPE_F32 &&
+             traits->nrows == 1;
   }
   std::vector<at::Tensor> outs;
   outs.reserve(n);
   if (!direct) {  // several rows (or a float weight): each product on its own, as mul_mat
-    for (size_t i = 0; i < n; ++i) outs.push_back(mul_mat_cpu(blocks[i], x, type_ids[i], out_features[i]));
+    for (size_t i = 0; i < n; ++i)
+      outs.push_back(mul_mat_cpu(blocks[i], x, type_ids[i], out_features[i]));
     return outs;
   }
   // One activation row quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then every
@@ -349,8 +379,10 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
   std::vector<DotRows> dots;
   for (size_t i = 0; i < n; ++i) {
     const ggml_type vdt = ggml().ggml_get_type_traits_cpu(types[i])->vec_dot_type;
-    auto it = std::find_if(quantized.begin(), quantized.end(), [&](const auto& e) { return e.first == vdt; });
-    if (it == quantized.end()) it = quantized.insert(quantized.end(), {vdt, activations_for(xf, types[i])});
+    auto it = std::find_if(quantized.begin(), quantized.end(),
+                           [&](const auto& e) { return e.first == vdt; });
+    if (it == quantized.end())
+      it = quantized.insert(quantized.end(), {vdt, activations_for(xf, types[i])});
     outs.push_back(at::empty(rows_shape(x, out_features[i]), x.options().dtype(at::kFloat)));
     dots.push_back(dot_rows(blocks[i], types[i], it->second, outs.back()));
   }
@@ -373,8 +405,8 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
   check_cpu(ids, "ids");
   check_dtype(ids, {at::kInt, at::kLong}, "ids");
   check_dim(ids, 2, "ids");
-  TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "ids has ", ids.size(0), " rows but x has ", x.size(0),
-                    " tokens");
+  TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "ids has ", ids.size(0), " rows but x has ",
+                    x.size(0), " tokens");
   check_indices(ids, experts, "ids (expert indices)");
   const int64_t t = x.size(0), n_ids = ids.size(1);
   auto out = at::empty({t, n_ids, out_features}, x.options().dtype(at::kFloat));
@@ -389,14 +421,16 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
     direct_dot_mul_mat_id(blocks, type, k, xq, ids32, out);
     return out;
   }
-  parallel_chunks(out_features, min_rows_per_task(blocks.size(2)), 16, 4, [&](int64_t n0, int64_t n1) {
-    Graph g(8);
-    ggml_tensor* as = g.packed(blocks.narrow(1, n0, n1 - n0), type, k);  // {K, n1 - n0, E}
-    // one activation row per token ({K, 1, T}), shared by the token's experts
-    ggml_tensor* xt = xq.defined() ? g.packed(xq.view({t, 1, xq.size(1)}), vdt, k) : g.view(xf.view({t, 1, k}));
-    ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, xt, g.view(ids32));
-    g.compute(y, out.narrow(2, n0, n1 - n0));  // {n1 - n0, n_ids, T}
-  });
+  parallel_chunks(
+      out_features, min_rows_per_task(blocks.size(2)), 16, 4, [&](int64_t n0, int64_t n1) {
+        Graph g(8);
+        ggml_tensor* as = g.packed(blocks.narrow(1, n0, n1 - n0), type, k);  // {K, n1 - n0, E}
+        // one activation row per token ({K, 1, T}), shared by the token's experts
+        ggml_tensor* xt = xq.defined() ? g.packed(xq.view({t, 1, xq.size(1)}), vdt, k)
+                                       : g.view(xf.view({t, 1, k}));
+        ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), as, xt, g.view(ids32));
+        g.compute(y, out.narrow(2, n0, n1 - n0));  // {n1 - n0, n_ids, T}
+      });
   return out;
 }
 
@@ -407,10 +441,12 @@ at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t row
   check_cpu(blocks, "blocks");
   check_dtype(blocks, {at::kByte}, "blocks");
   check_dim(blocks, 2, "blocks");
-  TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0), " rows");
+  TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0),
+                    " rows");
   check_packed(blocks, type, cols, "blocks");
   if (rows == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
-  if (is_float_type(type)) return float_view(blocks, type, cols).to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  if (is_float_type(type))
+    return float_view(blocks, type, cols).to(dtype, /*non_blocking=*/false, /*copy=*/true);
   auto out = at::empty({rows, cols}, blocks.options().dtype(at::kFloat));
   rows_to_float(blocks, type, cols, nullptr, rows, out.data_ptr<float>());
   return dtype == at::kFloat ? out : out.to(dtype);
@@ -437,7 +473,8 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-at::Tensor quantize_cpu(const at::Tensor& x, int64_t type_id, const std::optional<at::Tensor>& imatrix) {
+at::Tensor quantize_cpu(const at::Tensor& x, int64_t type_id,
+                        const std::optional<at::Tensor>& imatrix) {
   const ggml_type type = check_storage_type(type_id);
   const auto& G = ggml();
   check_cpu(x, "x");

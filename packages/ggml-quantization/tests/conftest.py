@@ -1,4 +1,5 @@
 import pytest
+
 from tools.testing.kernel_testing import load_kernel
 
 

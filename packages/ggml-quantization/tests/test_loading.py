@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tools.testing.kernel_testing import CPU_LEVELS, run_fresh
 
 MATMUL_RTOL = 2e-3  # see test_ops.py: SIMD levels differ only in activation-rounding near-ties

@@ -4,17 +4,21 @@
 #include "registration.h"
 
 GGML_KERNELS_LIBRARY(m) {
-  // Packed GGUF weight (N, row_bytes) times activations x (..., K) -> (..., N) float32. The two names
-  // run the same kernel; mul_mat_vec is the one transformers calls (at most 8 rows).
+  // Packed GGUF weight (N, row_bytes) times activations x (..., K) -> (..., N) float32. The two
+  // names run the same kernel; mul_mat_vec is the one transformers calls (at most 8 rows).
   m.def("mul_mat(Tensor blocks, Tensor x, int ggml_type, int out_features) -> Tensor");
   m.def("mul_mat_vec(Tensor blocks, Tensor x, int ggml_type, int out_features) -> Tensor");
   // Several packed weights that read the same activations (q/k/v, gate/up): one (..., N_i) float32
   // product each, as mul_mat; one activation row shares one quantization and one parallel region.
-  m.def("mul_mat_group(Tensor[] blocks, Tensor x, int[] ggml_types, int[] out_features) -> Tensor[]");
+  m.def(
+      "mul_mat_group(Tensor[] blocks, Tensor x, int[] ggml_types, int[] out_features) -> Tensor[]");
   // Experts (E, N, row_bytes), x (T, K), ids (T, n_ids) -> (T, n_ids, N) float32.
-  m.def("mul_mat_id(Tensor blocks, Tensor x, Tensor ids, int ggml_type, int out_features) -> Tensor");
+  m.def(
+      "mul_mat_id(Tensor blocks, Tensor x, Tensor ids, int ggml_type, int out_features) -> Tensor");
   m.def("dequantize(Tensor blocks, int ggml_type, int rows, int cols, ScalarType dtype) -> Tensor");
-  m.def("get_rows(Tensor blocks, Tensor indices, int ggml_type, int cols, ScalarType dtype) -> Tensor");
+  m.def(
+      "get_rows(Tensor blocks, Tensor indices, int ggml_type, int cols, ScalarType dtype) -> "
+      "Tensor");
   m.def("quantize(Tensor x, int ggml_type, Tensor? imatrix=None) -> Tensor");
 }
 

@@ -12,16 +12,19 @@ import warnings
 
 import pytest
 import torch
-from tools.testing.kernel_testing import variant_dir
 from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
 from torch.utils._python_dispatch import TorchDispatchMode
-
 from transformers.models.laguna.configuration_laguna import LagunaConfig
 from transformers.models.laguna.modeling_laguna import LagunaTopKRouter
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock, Qwen3_5MoeTopKRouter
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeSparseMoeBlock,
+    Qwen3_5MoeTopKRouter,
+)
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from tools.testing.kernel_testing import variant_dir
 
 HIDDEN = 64
 DT_IDS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -78,8 +81,8 @@ def tol(dtype):
 
 
 def check_same(orig_out, our_out, dtype):
-    (lo, wo, io), (l, w, i) = orig_out, our_out
-    assert torch.equal(l, lo)  # the router logits: the same F.linear
+    (lo, wo, io), (logits_ours, w, i) = orig_out, our_out
+    assert torch.equal(logits_ours, lo)  # the router logits: the same F.linear
     assert i.dtype == io.dtype == torch.int64 and w.dtype == wo.dtype == dtype
     assert torch.equal(i, io)
     torch.testing.assert_close(w, wo, **tol(dtype))
@@ -165,7 +168,7 @@ def test_laguna_router_keeps_its_forward(tk):
         with OpCounter() as ops:
             got = ours(x)
     assert ops.count("::top_k") == 0
-    for a, b in zip(expected, got):
+    for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tools.testing.kernel_testing import run_fresh
 
 REPO_ID = "transformers-community/topk"

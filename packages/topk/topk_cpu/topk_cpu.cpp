@@ -112,10 +112,11 @@ inline void store_weight(void* row, at::ScalarType dt, int64_t i, float w) {
 
 constexpr int64_t kFastMaxK = 16;  // the fast path's k at most
 
-// ---- the per-row work, written once with GCC's generic vectors -----------------------------------
-// 8 float lanes: the baseline x86-64 build runs them as two SSE2 halves, the AVX2 build (same source,
-// compiled a second time with target("avx2"), picked at load time) as one register. No FMA in either,
-// and every sum is taken in one fixed order whatever the width, so both give the same bits.
+// ---- the per-row work, written once with GCC's generic vectors
+// ----------------------------------- 8 float lanes: the baseline x86-64 build runs them as two
+// SSE2 halves, the AVX2 build (same source, compiled a second time with target("avx2"), picked at
+// load time) as one register. No FMA in either, and every sum is taken in one fixed order whatever
+// the width, so both give the same bits.
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint16_t vu16x8 __attribute__((vector_size(16)));
@@ -138,10 +139,10 @@ TOPK_INLINE float hmax8(vf8 x) {
   return x[0];
 }
 
-// exp(x) for x <= 0 (or -inf). Range reduction x = n ln2 + r (|r| <= ln2/2; ln2 split in two parts so
-// that n ln2 is exact), e^r by its Taylor polynomial to degree 7 (truncation < 1e-8 relative), times
-// 2^n built in the exponent bits: within ~2 ulp of the correctly rounded value. Below -87.33, where
-// e^x leaves the normal floats, the result is 0.
+// exp(x) for x <= 0 (or -inf). Range reduction x = n ln2 + r (|r| <= ln2/2; ln2 split in two parts
+// so that n ln2 is exact), e^r by its Taylor polynomial to degree 7 (truncation < 1e-8 relative),
+// times 2^n built in the exponent bits: within ~2 ulp of the correctly rounded value. Below -87.33,
+// where e^x leaves the normal floats, the result is 0.
 TOPK_INLINE vf8 exp_nonpositive(vf8 x) {
   const vf8 lo = splat(-87.33654f);
   const vi8 under = x < lo;
@@ -258,7 +259,8 @@ TOPK_INLINE void push(float x, int32_t i, int64_t m, int64_t& cnt, float* bv, in
 // With at least m blocks of 8, the m-th largest block maximum is a floor the m largest values all
 // reach (m different elements reach it), and few others do: a first pass finds it from the block
 // maxima (bm: n / 8 floats of scratch), a second one takes in only the blocks that reach it.
-TOPK_INLINE void largest_m(const float* s, int64_t n, int64_t m, float* bv, int32_t* bi, float* bm) {
+TOPK_INLINE void largest_m(const float* s, int64_t n, int64_t m, float* bv, int32_t* bi,
+                           float* bm) {
   int64_t cnt = 0;
   const int64_t blocks = n / 8;
   if (blocks < m) {
@@ -427,9 +429,18 @@ bool use_avx2() {
 template <typename T>
 void route_rows(const at::Tensor& logits, int64_t k, bool softmax, bool normalize,
                 const at::Tensor& weights, const at::Tensor& indices, RowErrors& errors) {
-  const Job job{logits.data_ptr(), logits.stride(0), logits.size(1), k, softmax, normalize,
-                weights.data_ptr(), weights.scalar_type(), static_cast<int64_t>(weights.element_size()),
-                indices.data_ptr(), indices.scalar_type() == at::kLong, &errors};
+  const Job job{logits.data_ptr(),
+                logits.stride(0),
+                logits.size(1),
+                k,
+                softmax,
+                normalize,
+                weights.data_ptr(),
+                weights.scalar_type(),
+                static_cast<int64_t>(weights.element_size()),
+                indices.data_ptr(),
+                indices.scalar_type() == at::kLong,
+                &errors};
   const auto chunk = use_avx2() ? route_chunk_avx2<T> : route_chunk_x64<T>;
   parallel_chunks(logits.size(0), min_rows_per_task(job.n), 1, 2,
                   [&](int64_t r0, int64_t r1) { chunk(job, r0, r1); });
@@ -442,8 +453,8 @@ at::Tensor dense_rows(const at::Tensor& t) {
 
 // ---- top_k_ggml's steps ----
 
-// The rows ggml's routing cannot take, refused before any graph runs: NaN, and with softmax a row of
-// -inf only or one holding +inf (ggml's soft_max turns it into NaN, which its top_k then takes).
+// The rows ggml's routing cannot take, refused before any graph runs: NaN, and with softmax a row
+// of -inf only or one holding +inf (ggml's soft_max turns it into NaN, which its top_k then takes).
 void refuse_rows_ggml_cannot_route(const at::Tensor& xf, bool softmax) {
   const int64_t rows = xf.size(0), n = xf.size(1);
   RowErrors errors;
@@ -462,14 +473,15 @@ void refuse_rows_ggml_cannot_route(const at::Tensor& xf, bool softmax) {
   }
   errors.raise_if_any(xf);
   TORCH_CHECK_VALUE(errors.pos_inf.load() == INT64_MAX, "top_k_ggml: token row ",
-                    errors.pos_inf.load(), " holds +inf, which ggml's soft_max turns into NaN (top_k "
+                    errors.pos_inf.load(),
+                    " holds +inf, which ggml's soft_max turns into NaN (top_k "
                     "takes it)");
 }
 
 // Rows [r0, r1) of xf (T, E) float32 routed by one ggml graph: soft_max_ext -> top_k -> get_rows
 // [-> sum_rows, div], the k chosen of each row written into weights / idx32 (T, k) in ggml's order.
-void ggml_route_rows(const at::Tensor& xf, int64_t k, bool softmax, bool normalize, int64_t r0, int64_t r1,
-                     at::Tensor& weights, at::Tensor& idx32) {
+void ggml_route_rows(const at::Tensor& xf, int64_t k, bool softmax, bool normalize, int64_t r0,
+                     int64_t r1, at::Tensor& weights, at::Tensor& idx32) {
   const auto& G = ggml();
   const int64_t m = r1 - r0, n = xf.size(1);
   Graph g(16);
@@ -487,7 +499,8 @@ void ggml_route_rows(const at::Tensor& xf, int64_t k, bool softmax, bool normali
   }
 }
 
-// ggml leaves the k chosen in no particular order: rows [r0, r1) sorted largest first, ties by index.
+// ggml leaves the k chosen in no particular order: rows [r0, r1) sorted largest first, ties by
+// index.
 void sort_chosen(at::Tensor& weights, at::Tensor& idx32, int64_t r0, int64_t r1) {
   const int64_t k = weights.size(1);
   std::vector<int32_t> order(k), irow(k);
@@ -518,7 +531,8 @@ std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_
   TORCH_CHECK_TYPE(wdt == at::kFloat || wdt == at::kBFloat16 || wdt == at::kHalf,
                    "dtype (of the weights) must be float32, bfloat16 or float16, got ", wdt);
   const at::ScalarType idt = index_dtype.value_or(at::kLong);
-  TORCH_CHECK_TYPE(idt == at::kLong || idt == at::kInt, "index_dtype must be int64 or int32, got ", idt);
+  TORCH_CHECK_TYPE(idt == at::kLong || idt == at::kInt, "index_dtype must be int64 or int32, got ",
+                   idt);
   const int64_t rows = logits_in.size(0);
   auto weights = at::empty({rows, k}, logits_in.options().dtype(wdt));
   auto indices = at::empty({rows, k}, logits_in.options().dtype(idt));
@@ -527,23 +541,28 @@ std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_
   const at::Tensor logits = dense_rows(logits_in);
   RowErrors errors;
   switch (logits.scalar_type()) {
-    case at::kFloat: route_rows<float>(logits, k, softmax, normalize, weights, indices, errors); break;
-    case at::kBFloat16: route_rows<c10::BFloat16>(logits, k, softmax, normalize, weights, indices, errors); break;
+    case at::kFloat:
+      route_rows<float>(logits, k, softmax, normalize, weights, indices, errors);
+      break;
+    case at::kBFloat16:
+      route_rows<c10::BFloat16>(logits, k, softmax, normalize, weights, indices, errors);
+      break;
     default: route_rows<c10::Half>(logits, k, softmax, normalize, weights, indices, errors); break;
   }
   errors.raise_if_any(logits);
   return {weights, indices};
 }
 
-std::tuple<at::Tensor, at::Tensor> top_k_ggml_cpu(const at::Tensor& logits_in, int64_t k, bool softmax,
-                                                  bool normalize) {
+std::tuple<at::Tensor, at::Tensor> top_k_ggml_cpu(const at::Tensor& logits_in, int64_t k,
+                                                  bool softmax, bool normalize) {
   check_args(logits_in, k, softmax, normalize);
   const int64_t rows = logits_in.size(0);
   auto weights = at::empty({rows, k}, logits_in.options().dtype(at::kFloat));
   auto idx32 = at::empty({rows, k}, logits_in.options().dtype(at::kInt));
   if (rows == 0) return {weights.to(logits_in.scalar_type()), idx32.to(at::kLong)};
 
-  const at::Tensor xf = logits_in.to(at::kFloat).contiguous();  // ggml's soft_max takes float32 rows
+  const at::Tensor xf =
+      logits_in.to(at::kFloat).contiguous();  // ggml's soft_max takes float32 rows
   refuse_rows_ggml_cannot_route(xf, softmax);
   parallel_chunks(rows, min_rows_per_task(xf.size(1)), 1, 2, [&](int64_t r0, int64_t r1) {
     ggml_route_rows(xf, k, softmax, normalize, r0, r1, weights, idx32);

@@ -8,13 +8,18 @@ GGML_KERNELS_LIBRARY(m) {
   // first, ties ordered as torch.topk orders them on the CPU.
   //   softmax=True:   weights are softmax(logits) (computed in float32) of the chosen experts,
   //                   renormalised to sum to 1 when normalize=True (MoE routing, norm_topk_prob).
-  //   softmax=False:  weights are the logits' own top-k values (torch.topk); normalize must be False.
+  //   softmax=False:  weights are the logits' own top-k values (torch.topk); normalize must be
+  //   False.
   // dtype: weights dtype (None: the logits' dtype); index_dtype: int64 (None) or int32.
-  m.def("top_k(Tensor logits, int k, bool softmax=True, bool normalize=False, ScalarType? dtype=None, "
-        "ScalarType? index_dtype=None) -> (Tensor, Tensor)");
+  m.def(
+      "top_k(Tensor logits, int k, bool softmax=True, bool normalize=False, ScalarType? "
+      "dtype=None, "
+      "ScalarType? index_dtype=None) -> (Tensor, Tensor)");
   // The same routing as a ggml graph (soft_max_ext -> top_k -> get_rows [-> sum_rows, div]), kept
   // to compare against; ties are ggml's, not torch's.
-  m.def("top_k_ggml(Tensor logits, int k, bool softmax=True, bool normalize=False) -> (Tensor, Tensor)");
+  m.def(
+      "top_k_ggml(Tensor logits, int k, bool softmax=True, bool normalize=False) -> (Tensor, "
+      "Tensor)");
 }
 
 GGML_KERNELS_LIBRARY_IMPL(CPU, m) {

@@ -12,7 +12,17 @@ import torch
 from . import _checks, layers, reference
 from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
-from .types import GGMLType, IMATRIX_TYPES, STORAGE_TYPES, TYPE_INFO, TypeInfo, row_bytes, type_id, type_info, type_name
+from .types import (
+    IMATRIX_TYPES,
+    STORAGE_TYPES,
+    TYPE_INFO,
+    GGMLType,
+    TypeInfo,
+    row_bytes,
+    type_id,
+    type_info,
+    type_name,
+)
 
 __all__ = [
     "GEMV_TYPES",

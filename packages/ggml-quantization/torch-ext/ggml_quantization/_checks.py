@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from ._ggml_runtime import check_dim, check_dtype, dtype_name
-from .types import GGMLType, STORAGE_TYPES, TYPE_INFO, TypeInfo
+from .types import STORAGE_TYPES, TYPE_INFO, GGMLType, TypeInfo
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
