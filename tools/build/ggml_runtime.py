@@ -59,9 +59,10 @@ DEFINES = [
     "NDEBUG", "_GNU_SOURCE", "_XOPEN_SOURCE=600", "GGML_BUILD", "GGML_SHARED", "GGML_BACKEND_BUILD",
     "GGML_BACKEND_SHARED", "GGML_SCHED_MAX_COPIES=4", "GGML_USE_LLAMAFILE", "GGML_USE_CPU_REPACK",
 ]
-COMMON_FLAGS = [
-    "-O3", "-fPIC", "-pthread", "-fvisibility=hidden", "-w", "-include", str(COMMON / "glibc_compat.h"),
-]
+COMMON_FLAGS = ["-O3", "-fPIC", "-pthread", "-fvisibility=hidden", "-w"]
+# Our sources the runtime compiles: staged into the cache, so the compile commands name no path of
+# the checkout and a clone elsewhere (CI's) finds the runtime up to date.
+COMPAT_FILES = ["glibc_compat.h", "glibc_compat.c", "glibcxx_compat.cpp"]
 LIB_PREFIX = "libggml-kernels-cpu-"
 
 
@@ -78,6 +79,17 @@ def selected_variants() -> list[str]:
 def runtime_dir() -> Path:
     """Cache folder of the built runtime, one per pin; ninja rebuilds what a recipe change touches."""
     return upstream.ggml_tree().parent / ("runtime-sanitize" if sanitize.enabled() else "runtime")
+
+
+def _stage_compat(out: Path) -> Path:
+    """Copy COMPAT_FILES into out/common (rewritten only when their text changed); returns the folder."""
+    staged = out / "common"
+    staged.mkdir(parents=True, exist_ok=True)
+    for name in COMPAT_FILES:
+        text = (COMMON / name).read_text()
+        if not (staged / name).exists() or (staged / name).read_text() != text:
+            (staged / name).write_text(text)
+    return staged
 
 
 def build(jobs: int | None = None) -> Path:
@@ -107,12 +119,14 @@ def build(jobs: int | None = None) -> Path:
             objs.append(obj)
         return objs
 
+    compat = _stage_compat(out)
+    common_flags = COMMON_FLAGS + ["-include", str(compat / "glibc_compat.h")]
     defs = [f"-D{d}" for d in DEFINES] + sanitize.compile_flags()
     # ggml-base holds no SIMD code worth specialising: compiled once, linked into every variant.
-    base_objs = compile_all(BASE_SOURCES, "base", COMMON_FLAGS + defs + includes)
+    base_objs = compile_all(BASE_SOURCES, "base", common_flags + defs + includes)
     compat_objs = [out / "obj" / "glibc_compat.o", out / "obj" / "glibcxx_compat.o"]
-    n.build(compat_objs[0], "cc", COMMON / "glibc_compat.c", variables={"flags": ninja.quote(COMMON_FLAGS)})
-    n.build(compat_objs[1], "cxx", COMMON / "glibcxx_compat.cpp", variables={"flags": ninja.quote(COMMON_FLAGS)})
+    n.build(compat_objs[0], "cc", compat / "glibc_compat.c", variables={"flags": ninja.quote(common_flags)})
+    n.build(compat_objs[1], "cxx", compat / "glibcxx_compat.cpp", variables={"flags": ninja.quote(common_flags)})
     ldflags = [
         "-Wl,-Bsymbolic",
         "-Wl,--no-undefined", "-Wl,-z,noexecstack", "-pthread", "-lm", "-ldl", *sanitize.link_flags(),
@@ -121,7 +135,7 @@ def build(jobs: int | None = None) -> Path:
     for name in selected_variants():
         flags, feature_defs = CPU_LEVELS[name]
         cpu_objs = compile_all(
-            CPU_SOURCES, name, COMMON_FLAGS + flags + defs + [f"-D{d}" for d in feature_defs] + includes
+            CPU_SOURCES, name, common_flags + flags + defs + [f"-D{d}" for d in feature_defs] + includes
         )
         lib = out / f"{LIB_PREFIX}{name}.so"
         n.build(lib, "link", base_objs + cpu_objs + compat_objs,
