@@ -22,6 +22,7 @@ every call; tests/test_layer.py compares them). GGML_KERNELS_BENCH_QUICK=1 runs 
 """
 
 import copy
+import logging
 import os
 from pathlib import Path
 
@@ -134,8 +135,16 @@ class Layer(Layer_transformers):
 
         repo = LocalLayerRepository(repo_path=Path(self.kernel.__file__).parent, layer_name="Qwen3_5GatedDeltaNet")
         module = copy.deepcopy(module)
-        with use_kernel_mapping({"Qwen3_5GatedDeltaNet": {"cpu": repo}}, inherit_mapping=False):
-            kernelize(module, device="cpu", mode=Mode.INFERENCE)
+        # kernelize warns once per inner layer it has no mapping for (RMSNormGated, causal_conv1d_fn,
+        # ...): those never run, this layer's forward replaces them
+        quiet = logging.getLogger("kernels.layer.layer")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            with use_kernel_mapping({"Qwen3_5GatedDeltaNet": {"cpu": repo}}, inherit_mapping=False):
+                kernelize(module, device="cpu", mode=Mode.INFERENCE)
+        finally:
+            quiet.setLevel(level)
         return module
 
 
