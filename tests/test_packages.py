@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tools import REPO
+from tools.build import upstream
 from tools.testing.kernel_testing import CPU_LEVELS, backend_kwargs, fresh_process, hub_ids, local_kernels_env
 
 PACKAGES = hub_ids()
@@ -67,13 +69,13 @@ def test_build_layout_and_metadata(repo_id):
 
 @pytest.mark.parametrize("repo_id", sorted(PACKAGES))
 def test_every_variant_carries_the_license(repo_id):
-    """The binaries contain ggml: each variant ships the MIT licence with ggml's notice beside ours."""
+    """The binaries contain ggml: each variant ships our LICENSE and, as LICENSE.ggml, the one of the
+    pinned upstream sources, byte for byte."""
     dirs = variant_dirs(PACKAGES[repo_id])
     assert dirs, f"{repo_id} has no build"
     for d in dirs:
-        text = (d / "LICENSE").read_text()
-        assert "Copyright (c) 2026 ggml-kernels contributors" in text, d.name
-        assert "Copyright (c) 2023-2026 The ggml authors" in text, d.name
+        assert (d / "LICENSE").read_bytes() == (REPO / "LICENSE").read_bytes(), d.name
+        assert (d / "LICENSE.ggml").read_bytes() == upstream.upstream_license().read_bytes(), d.name
         assert json.loads((d / "metadata.json").read_text())["license"] == "MIT", d.name
 
 
@@ -115,6 +117,8 @@ def unknown_level_loads():
     process: repo id -> the exception raised (a crash would end the process, and every test)."""
     code = f"""
 import json
+from tools import REPO
+from tools.build import upstream
 from tools.testing.kernel_testing import load_kernel, point_hub_ids_at_local_builds
 point_hub_ids_at_local_builds()
 res = {{}}

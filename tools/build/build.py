@@ -8,7 +8,7 @@ out the variant folder that `kernels` loads:
     __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
     _ggml_runtime.py (common/python: Python glue every package shares)
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
-    LICENSE (the repo's: MIT, with ggml's notice, since the binaries contain ggml)
+    LICENSE (the repo's, MIT) and LICENSE.ggml (llama.cpp's, from the pinned sources: the binaries contain ggml)
 
     python -m tools.build                      # every package
     python -m tools.build ggml-quantization    # one package
@@ -33,6 +33,7 @@ from . import ninja_build as ninja
 
 COMMON = REPO / "common"
 LICENSE = REPO / "LICENSE"
+UPSTREAM_LICENSE = "LICENSE.ggml"  # llama.cpp's own LICENSE, from the pinned sources (the binaries contain ggml)
 COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]
 CXXFLAGS = [
     # -fopenmp: at::parallel_for is inline and uses OpenMP pragmas; without it, it runs serially.
@@ -139,7 +140,7 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
 
 def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_id: str, general: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json", LICENSE.name}
+    wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json", LICENSE.name, UPSTREAM_LICENSE}
     wanted |= {p.name for p in (COMMON / "python").glob("*.py")}
     for f in sorted(py_src.rglob("*.py")):
         rel = f.relative_to(py_src)
@@ -148,6 +149,7 @@ def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_i
         _copy_if_changed(f, out / rel)
     for f in [so, *runtime_libs, LICENSE]:
         _copy_if_changed(f, out / f.name)
+    _copy_if_changed(upstream.upstream_license(), out / UPSTREAM_LICENSE)
     for stale in out.iterdir():  # an older extension id, a removed module, a dropped CPU level
         if stale.name not in wanted:
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()

@@ -112,5 +112,20 @@ def ggml_tree() -> Path:
     return tree
 
 
+def upstream_license() -> Path:
+    """llama.cpp's LICENSE file (it covers ggml) from the pinned sdist, extracted once into the cache."""
+    p = pin()
+    dest = cache_dir() / f"LICENSE-{p['llama_cpp']['commit'][:12]}"
+    if dest.exists():
+        return dest
+    member = p["sdist"]["ggml_subdir"].rstrip("/").rsplit("/", 1)[0] + "/LICENSE"
+    with tarfile.open(sdist_path()) as tar:
+        data = tar.extractfile(member).read()
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dest)
+    return dest
+
+
 if __name__ == "__main__":
     print(ggml_tree())
