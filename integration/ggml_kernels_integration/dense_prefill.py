@@ -5,26 +5,20 @@ For many activation rows ggml-cpu multiplies these types one (row, column) dot p
 (`vec_dot_q4_1_q8_1` and kin; llamafile's tiled sgemm covers Q4_0 / Q8_0 only, and the repacked
 layouts need ggml's own buffers), while the K-quants' dot products keep up with a dense GEMM. On a
 CPU with native bfloat16 dot products (AVX512-BF16, AMX) a dense bfloat16 GEMM (oneDNN, through
-torch) on the weight dequantized by ggml is 2-5x faster from 32-64 rows on (this module's
-measurements below), which is also how ggml's own BLAS backend runs batches: dequantize, then a
-dense GEMM.
+torch) on the weight dequantized by ggml is several times faster from 32-64 rows on, which is also
+how ggml's own BLAS backend runs batches: dequantize, then a dense GEMM. The K-quants stay on ggml,
+whose dot products for them are as fast as this path.
 
 It is also closer to the model: ggml rounds the activations to 8 bits per block of 32 (Q8_0 / Q8_1)
 before its dot products; bfloat16 keeps 8 significant bits per value and accumulates in float32.
-Against the float32 product of the dequantized weight, 512 rows: mean relative error 2.8e-3 here
-against 5.4e-3 for ggml's path (Q4_0, Q4_1, Q8_0 alike); whole SmolLM2-135M (Q4_1), 64 random
-tokens, logits against float32 transformers on the same dequantized weights: mean KL 1.2e-3 here,
-7.8e-3 on ggml's path. Decode steps (at most 8 rows) keep ggml's mat-vec, which is faster there.
+`tests/test_integration_dense_prefill.py` checks both products against the float32 product of the
+dequantized weight (this one closer), and `tests/test_integration.py` a whole model's logits against
+float32 transformers. Decode steps (at most 8 rows) keep ggml's mat-vec, which is faster there.
 
-Measured (2 threads, AMD EPYC zen4, torch 2.13, ms, ggml's `mul_mat` / this path):
-    Q4_1 1536x576   M=16 0.26/0.30  M=32 0.52/0.35  M=64 1.01/0.41  M=512 8.30/1.48
-    Q4_1 576x1536   M=16 0.25/0.28  M=32 0.48/0.32  M=64 0.96/0.52  M=512 7.77/1.36
-    Q4_0 576x1536   M=16 0.23/0.29  M=32 0.46/0.32  M=64 0.92/0.54  M=512 7.80/1.38
-    Q8_0 3584x1024  M=16 0.43/0.79  M=32 0.87/1.20  M=64 1.74/1.51  M=512 13.2/5.35
-(scratch scripts, not kept; the whole-model effect: `python -m tools.bench.ab_decode --gguf F --feature
-dense-prefill --prompt-tokens 512`).
-K-quants stay on ggml: Q4_K / Q5_K / Q6_K at 3584x1024, M=512: 4.3 / 4.0 / 4.5 ms on ggml, 4.7 / 5.5
-/ 6.5 here.
+Measure it in a model, alternating rounds with the path off and on in one process:
+    python -m tools.bench.ab_decode --gguf F --feature dense-prefill --prompt-tokens 512
+(the integration README has the dated table). `MIN_ROWS` is where the path became the faster one
+on a 2-core zen4 machine, per type.
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-# ggml type id -> fewest activation rows at which this path is the faster one (see above)
+# ggml type id -> fewest activation rows at which this path is the faster one (see the docstring)
 MIN_ROWS = {
     2: 32,  # Q4_0
     3: 32,  # Q4_1
