@@ -239,11 +239,17 @@ def _show_reports(patches: PatchSet) -> None:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    patches.on_restore(logging.Logger.manager._clear_cache)  # runs last: levels are cached per logger
-    patches.set_attr(logger, "handlers", [handler])
-    patches.set_attr(logger, "propagate", False)
-    patches.set_attr(logger, "level", logging.INFO)
-    logging.Logger.manager._clear_cache()
+    level, propagate = logger.level, logger.propagate
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    patches.on_restore(undo, "ggml_kernels_integration logger")
 
 
 def _after_each_gguf_load(patches: PatchSet, *steps) -> None:
