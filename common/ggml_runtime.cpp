@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -59,6 +60,14 @@ bool file_exists(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0;
 }
 
+// ggml's messages on stderr as its default logger writes them, without the debug ones (ggml-cpu's
+// repack says "repack tensor ..." at debug level for every weight it repacks).
+void log_without_debug(ggml_log_level level, const char* text, void*) {
+  if (level == GGML_LOG_LEVEL_DEBUG) return;
+  std::fputs(text, stderr);
+  std::fflush(stderr);
+}
+
 Runtime* load_runtime() {
   const std::string dir = this_library_dir();
   const char* forced = std::getenv("GGML_KERNELS_CPU_VARIANT");
@@ -88,6 +97,7 @@ Runtime* load_runtime() {
   TORCH_CHECK(rt->api.name != nullptr, "ggml-kernels: ", path, " does not export " #name);
     GGML_KERNELS_API_FUNCTIONS(GGML_KERNELS_RESOLVE)
 #undef GGML_KERNELS_RESOLVE
+    rt->api.ggml_log_set(log_without_debug, nullptr);
     rt->api.ggml_cpu_init();
     return rt;  // lives for the whole process, like the library itself
   }

@@ -40,7 +40,9 @@ namespace ggml_kernels {
   X(ggml_soft_max) X(ggml_scale_bias) X(ggml_clamp) X(ggml_swiglu_split) X(ggml_cumsum)            \
   X(ggml_set_rows) X(ggml_pad) X(ggml_dup) X(ggml_cont_2d) X(ggml_cont_3d) X(ggml_cont_4d)          \
   X(ggml_view_tensor) X(ggml_arange) X(ggml_fill) X(ggml_get_first_tensor) X(ggml_get_next_tensor) \
-  X(ggml_flash_attn_ext_add_sinks)
+  X(ggml_flash_attn_ext_add_sinks) X(ggml_backend_cpu_reg) X(ggml_backend_reg_dev_get)                 \
+  X(ggml_backend_reg_get_proc_address) X(ggml_backend_buft_name) X(ggml_backend_buft_alloc_buffer)  \
+  X(ggml_backend_buffer_init_tensor) X(ggml_backend_tensor_set) X(ggml_log_set)
 // clang-format on
 
 struct GgmlApi {

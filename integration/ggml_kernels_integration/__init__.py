@@ -21,6 +21,8 @@
 - reads a GGUF's config without a numpy object per vocabulary entry (see `lean_metadata`);
 - runs a layer's sibling projections (q/k/v, gate/up, ...) as one kernel call in decode steps (see
   `projection_groups`), and hands the memory the load freed back to the system;
+- with `enable(repack_weights=True)`, holds Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in ggml-cpu's
+  repacked layout, as llama.cpp does, for its gemm kernels on short prompts (see `repacking`);
 - after each packed load, says once what runs on our kernels and what does not, and why (`report`),
   instead of kernels' warning per layer.
 
@@ -39,7 +41,17 @@ import os
 
 import torch
 
-from . import archs, compat, dense_prefill, kv_cache, lean_metadata, locate, projection_groups, report
+from . import (
+    archs,
+    compat,
+    dense_prefill,
+    kv_cache,
+    lean_metadata,
+    locate,
+    projection_groups,
+    repacking,
+    report,
+)
 from .compat import InternalsChangedError, UnsupportedVersionError
 from .locate import builds
 from .patching import PatchSet
@@ -60,6 +72,7 @@ __all__ = [
 ]
 
 _dense_prefill_module = dense_prefill  # `enable`'s keyword has the module's name
+_options = {"repack_weights": False}  # enable()'s load-time options; the last call's values hold
 
 # kernel name transformers asks for -> (Hub id, layer class in that package)
 LAYER_KERNELS = {
@@ -78,19 +91,25 @@ def is_enabled() -> bool:
     return "patches" in _active
 
 
-def enable(*, dense_prefill: bool = True, allow_untested_versions: bool = False, report_loads: bool = True) -> None:
+def enable(*, dense_prefill: bool = True, repack_weights: bool = False, allow_untested_versions: bool = False,
+           report_loads: bool = True) -> None:
     """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
 
     dense_prefill: prefill matmuls on block-32 weights take `dense_prefill` (ggml's dequantize and a
         bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
         matmul (8-bit activations, as llama.cpp). The last call's value holds.
+    repack_weights: GGUF models loaded from now on hold their Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in
+        ggml-cpu's repacked layout (`repacking`): 2-47-token prompts run ggml's gemm kernels (a short
+        prompt's first token comes sooner), while prompts of 64 tokens and more pay for unpacking
+        each slice (slower), which is why it is off by default. The last call's value holds.
     allow_untested_versions: run with transformers / kernels outside the tested range (`compat.TESTED`).
     report_loads: after each packed GGUF load, log (logger "ggml_kernels_integration", INFO, on
         stderr unless the application configured logging) what runs on our kernels.
 
-    Calling it again while enabled only updates `dense_prefill`. Raises `UnsupportedVersionError`,
+    Calling it again while enabled only updates `dense_prefill` and `repack_weights`. Raises `UnsupportedVersionError`,
     `InternalsChangedError` or `RuntimeError` (no build found) before changing anything; any other
     failure undoes what was changed."""
+    _options["repack_weights"] = bool(repack_weights)
     if is_enabled():
         _dense_prefill_module.set_enabled(dense_prefill)
         return
@@ -151,7 +170,9 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
     quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
     _route_cpu_reads_through_kernels(patches, quant)
     projection_groups.patch_forward(patches, quant)
-    steps = [functools.partial(projection_groups.install, quant=quant), _return_freed_memory]
+    patches.on_restore(functools.partial(repacking.unpack_all, quant), "repacked weights back to the GGUF layout")
+    steps = [functools.partial(_repack_if_asked, quant=quant), functools.partial(projection_groups.install, quant=quant),
+             _return_freed_memory]
     if report_loads:
         steps.append(_log_summary)
         _show_reports(patches)
@@ -226,6 +247,11 @@ def _route_cpu_reads_through_kernels(patches: PatchSet, quant) -> None:
 
     patches.wrap(gguf_kernels, "kernel_can_read", make_can_read)
     patches.wrap(gguf_utils.GgufLinear, "_unpack_matmul", make_unpack)
+
+
+def _repack_if_asked(model, quant) -> None:
+    if _options["repack_weights"]:
+        repacking.install(model, quant)
 
 
 def _log_summary(model) -> None:

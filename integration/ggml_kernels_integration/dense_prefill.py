@@ -28,6 +28,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import repacking
+
 # ggml type id -> fewest activation rows at which this path is the faster one (see the docstring)
 MIN_ROWS = {
     2: 32,  # Q4_0
@@ -64,7 +66,7 @@ def set_enabled(on: bool) -> None:
 
 def applies(ggml_type: int, rows: int) -> bool:
     """Whether a product of `rows` activation rows with a `ggml_type` weight takes this path."""
-    min_rows = MIN_ROWS.get(ggml_type)
+    min_rows = MIN_ROWS.get(repacking.base_type(ggml_type))
     return min_rows is not None and rows >= min_rows and _state["enabled"] and native_bf16()
 
 
@@ -75,7 +77,7 @@ def matmul(quant, blocks: torch.Tensor, x: torch.Tensor, ggml_type: int, out_fea
     each multiplied in bfloat16 (float32 accumulation) into its columns of the output."""
     m, k = x.shape
     xb = x.to(torch.bfloat16)
-    rows_per_chunk = max(256, CHUNK_BYTES // (2 * k))
+    rows_per_chunk = max(256, CHUNK_BYTES // (2 * k)) // repacking.REPACK_ROWS * repacking.REPACK_ROWS
     if rows_per_chunk >= out_features:
         w = quant.dequantize(blocks, ggml_type, out_features, k, torch.bfloat16)
         return F.linear(xb, w).float()

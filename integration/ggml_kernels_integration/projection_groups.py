@@ -53,7 +53,6 @@ class ProjectionGroup:
         self.members = members
         self.max_rows = max_rows
         self.mul_mat_group = mul_mat_group  # ggml-quantization's op
-        self.ggml_types = [m.ggml_type for m in members]
         self.out_features = [m.out_features for m in members]
         self._thread = threading.local()  # .kept: (source tensor, its version, {id(member): output})
 
@@ -74,7 +73,8 @@ class ProjectionGroup:
             return None
         # the members' current weights: `_parameters` directly, nn.Module's __getattr__ costs ~0.4 us each
         weights = [m._parameters["weight"] for m in self.members]
-        outs = self.mul_mat_group(weights, x, self.ggml_types, self.out_features)  # (..., N_i) each
+        types = [m.ggml_type for m in self.members]  # as they are now: `repacking` changes them
+        outs = self.mul_mat_group(weights, x, types, self.out_features)  # (..., N_i) each
         if x.dtype != torch.float32:
             outs = [out.to(x.dtype) for out in outs]
         result, outputs = None, {}

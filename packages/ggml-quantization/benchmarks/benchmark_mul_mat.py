@@ -18,6 +18,8 @@ class times one implementation of the same workloads:
   MulMat_tf_unpack what transformers runs for M > 8 with the kernel installed: GgufLinear dequantizes
                    the packed weight with its own torch code on every call, then multiplies
   MulMatGroup      a layer's sibling projections in one mul_mat_group call
+  MulMatRepacked   mul_mat on the weight in ggml-cpu's repacked layout (`repack`) at 1-64 rows, the
+                   types this CPU repacks (Q4_0, Q4_K here); compare with MulMatVec / MulMat
 Weights are streamed from memory as in a real decode: each workload cycles through copies of its
 weight (rows in different orders, so no two pages are equal) until they overflow the last-level
 cache four times over.
@@ -50,6 +52,9 @@ MATVEC = {1: [(1024, 3584)]} if QUICK else {m: [(1024, 1024), (3584, 1024), (102
                                             for m in (1, 8)}  # M -> (N, K)
 MATMAT = {64: [(1024, 3584)]} if QUICK else {64: [(3584, 1024), (1024, 3584), (9216, 2560)],
                                              512: [(3584, 1024), (1024, 3584)]}
+# short prompts: the repacked layout against the plain one (Q4_0 and Q4_K: every AVX2 CPU repacks them)
+REPACKED_TYPES = ["Q4_0", "Q4_K"]
+SHORT = {1: [(1024, 3584)]} if QUICK else {m: [(3584, 1024), (1024, 3584)] for m in (1, 4, 8, 16, 64)}
 MAX_COPIES = 64
 
 
@@ -149,6 +154,21 @@ class MulMat(_PackedProduct, Benchmark):
 
     def _run(self) -> None:
         self.out = self.kernel.mul_mat(self._next(), self.x, self.type, self.n)
+
+
+class MulMatRepacked(_PackedProduct, Benchmark):
+    """Short prompts: mul_mat on the repacked layout (ggml's gemv, then gemm from 4 rows, then the plain
+    kernels on unpacked slices from 48)."""
+
+    def _weight(self):
+        t = int(self.kernel.GGMLType[self.type])
+        if t not in self.kernel.repacked_types():
+            raise ValueError(f"this CPU's ggml does not repack {self.type} (an x86 CPU without AVX2)")
+        return self.kernel.repack(self.blocks, t)
+
+    def _run(self) -> None:
+        t = self.kernel.repacked_type(self.type)
+        self.out = self.kernel.mul_mat(self._next(), self.x, t, self.n)
 
 
 class _Dense(_PackedProduct):
@@ -308,3 +328,9 @@ for _t in TYPES:
             for _n, _k in _shapes:
                 for _cls in _classes:
                     _add(_cls, _t, _n, _k, _m)
+for _t in REPACKED_TYPES:
+    for _m, _shapes in SHORT.items():
+        for _n, _k in _shapes:
+            _add(MulMatRepacked, _t, _n, _k, _m)
+            if _m in (4, 16):  # the plain layout at the same rows (1, 8 and 64 are in MATVEC / MATMAT)
+                _add(MulMatVec, _t, _n, _k, _m)

@@ -20,6 +20,11 @@ GGML_KERNELS_LIBRARY(m) {
       "get_rows(Tensor blocks, Tensor indices, int ggml_type, int cols, ScalarType dtype) -> "
       "Tensor");
   m.def("quantize(Tensor x, int ggml_type, Tensor? imatrix=None) -> Tensor");
+  // A packed weight (N, row_bytes), N a multiple of 8, in ggml-cpu's repacked layout (its type id
+  // plus 1024 names it); repacked_types() lists the GGUF type ids this CPU's ggml repacks.
+  m.def("repack(Tensor blocks, int ggml_type) -> Tensor");
+  m.def("unrepack(Tensor blocks, int ggml_type) -> Tensor");
+  m.def("repacked_types() -> int[]", &repacked_types_cpu);
 }
 
 GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
@@ -30,6 +35,8 @@ GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("get_rows", &get_rows_cpu);
   m.impl("quantize", &quantize_cpu);
+  m.impl("repack", &repack_cpu);
+  m.impl("unrepack", &unrepack_cpu);
 }
 
 GGML_KERNELS_PYTHON_MODULE()

@@ -18,3 +18,6 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
                         int64_t cols, at::ScalarType dtype);
 at::Tensor quantize_cpu(const at::Tensor& x, int64_t ggml_type,
                         const std::optional<at::Tensor>& imatrix);
+at::Tensor repack_cpu(const at::Tensor& blocks, int64_t ggml_type);
+at::Tensor unrepack_cpu(const at::Tensor& blocks, int64_t ggml_type);
+std::vector<int64_t> repacked_types_cpu();

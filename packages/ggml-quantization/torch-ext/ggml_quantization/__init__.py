@@ -14,10 +14,12 @@ from ._ggml_runtime import info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
     IMATRIX_TYPES,
+    REPACKED,
     STORAGE_TYPES,
     TYPE_INFO,
     GGMLType,
     TypeInfo,
+    repacked_type,
     row_bytes,
     type_id,
     type_info,
@@ -30,6 +32,7 @@ __all__ = [
     "IMATRIX_TYPES",
     "MAX_GEMV_ROWS",
     "QUANTIZE_TYPES",
+    "REPACKED",
     "STORAGE_TYPES",
     "TYPE_INFO",
     "TypeInfo",
@@ -43,6 +46,10 @@ __all__ = [
     "mul_mat_vec",
     "quantize",
     "reference",
+    "repack",
+    "repacked_type",
+    "repacked_types",
+    "unrepack",
     "row_bytes",
     "type_id",
     "type_info",
@@ -107,6 +114,27 @@ def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) ->
     return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
 
 
+def repacked_types() -> frozenset[int]:
+    """GGUF type ids this CPU's ggml holds in a repacked layout (x86 with AVX2: Q4_0, Q4_K, IQ4_NL,
+    MXFP4; with AVX-512 also Q2_K; none on older CPUs)."""
+    return frozenset(ops.repacked_types())
+
+
+def repack(blocks: torch.Tensor, ggml_type) -> torch.Tensor:
+    """A packed weight `(N, row_bytes)` (N a multiple of 8) in ggml-cpu's repacked layout: 8 rows
+    interleaved block by block, as llama.cpp's CPU backend holds these types. Pass the result with
+    `repacked_type(ggml_type)` to mul_mat / mul_mat_vec / mul_mat_group (2-47 activation rows run
+    ggml's tiled gemm: 1.2-1.6x the plain kernels on Q4_K), dequantize and get_rows (exact, through
+    the inverse of ggml's repack). The bytes suit this CPU's ggml only; `repacked_types()` says which
+    types it repacks (ValueError for the others)."""
+    return ops.repack(blocks, type_id(ggml_type))
+
+
+def unrepack(blocks: torch.Tensor, ggml_type) -> torch.Tensor:
+    """The inverse of `repack`: a repacked `ggml_type` weight back in the plain GGUF layout (exact)."""
+    return ops.unrepack(blocks, type_id(ggml_type))
+
+
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----
 # Mixed devices dispatch here too (the meta key outranks the others), so they are refused here; every
 # shape and dtype rule of the kernel is checked here too (_checks), so a traced call fails as an eager one.
@@ -151,6 +179,18 @@ def _get_rows_fake(blocks, indices, ggml_type, cols, dtype):
     same_device("get_rows", blocks=blocks, indices=indices)
     _checks.get_rows(blocks, indices, ggml_type, cols, dtype)
     return blocks.new_empty((indices.shape[0], cols), dtype=dtype)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("repack"))
+def _repack_fake(blocks, ggml_type):
+    _checks.repack(blocks, ggml_type)
+    return torch.empty_like(blocks, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("unrepack"))
+def _unrepack_fake(blocks, ggml_type):
+    _checks.unrepack(blocks, ggml_type)
+    return torch.empty_like(blocks, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("quantize"))

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from ._ggml_runtime import check_dim, check_dtype, dtype_name
-from .types import STORAGE_TYPES, TYPE_INFO, GGMLType, TypeInfo
+from .types import REPACKED, STORAGE_TYPES, TYPE_INFO, GGMLType, TypeInfo
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -32,6 +32,23 @@ def storage_type(type_id: int) -> TypeInfo:
         raise ValueError(f"unknown or unsupported ggml type id {type_id} (GGUF storage types are "
                          f"{_id_ranges(STORAGE_TYPES)})")
     return TYPE_INFO[GGMLType(type_id)]
+
+
+def stored(type_id: int) -> tuple[TypeInfo, bool]:
+    """A type id of the product / dequantize / get_rows ops: its type, and whether it names the repacked
+    layout (id + REPACKED). Whether this CPU has that layout only the kernel can tell."""
+    repacked = REPACKED <= type_id < 2 * REPACKED
+    return storage_type(type_id - REPACKED if repacked else type_id), repacked
+
+
+def repacked_rows(blocks: torch.Tensor, info: TypeInfo, repacked: bool, name: str) -> None:
+    rows = blocks.shape[-2]
+    if repacked and rows % REPACK_ROWS:
+        raise ValueError(f"{name} is a repacked {info.name} weight of {rows} rows; repacked weights hold a "
+                         f"multiple of {REPACK_ROWS}")
+
+
+REPACK_ROWS = 8
 
 
 def out_dtype(dtype: torch.dtype) -> None:
@@ -97,11 +114,12 @@ def activations(x: torch.Tensor, k: int, info: TypeInfo, blocks: torch.Tensor, *
 
 def product(blocks: torch.Tensor, type_id: int, out_features: int, x: torch.Tensor, name: str = "blocks") -> None:
     """One packed weight of mul_mat / mul_mat_vec / mul_mat_group times x (..., K)."""
-    info = storage_type(type_id)
+    info, repacked = stored(type_id)
     k = packed_weight(blocks, info, 2, name)
     if blocks.shape[0] != out_features:
         raise ValueError(f"out_features={out_features} but {name} has {blocks.shape[0]} rows")
     activations(x, k, info, blocks)
+    repacked_rows(blocks, info, repacked, name)
 
 
 def group(blocks: Sequence[torch.Tensor], x: torch.Tensor, type_ids: Sequence[int], out_features: Sequence[int]) -> None:
@@ -117,7 +135,10 @@ def group(blocks: Sequence[torch.Tensor], x: torch.Tensor, type_ids: Sequence[in
 
 def experts(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, type_id: int, out_features: int) -> None:
     """mul_mat_id: experts (E, N, row_bytes), x (T, K), ids (T, n_ids)."""
-    info = storage_type(type_id)
+    info, repacked = stored(type_id)
+    if repacked:
+        raise ValueError(f"mul_mat_id takes expert weights in the plain GGUF layout, not repacked ones (type id "
+                         f"{type_id})")
     k = packed_weight(blocks, info, 3, "blocks")
     if blocks.shape[1] != out_features:
         raise ValueError(f"out_features={out_features} but each expert in blocks has {blocks.shape[1]} rows")
@@ -129,23 +150,40 @@ def experts(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, type_id: i
 
 
 def dequantize(blocks: torch.Tensor, type_id: int, rows: int, cols: int, dtype: torch.dtype) -> None:
-    info = storage_type(type_id)
+    info, repacked = stored(type_id)
     out_dtype(dtype)
     check_dtype(blocks, (torch.uint8,), "blocks")
     check_dim(blocks, 2, "blocks")
     if blocks.shape[0] != rows:
         raise ValueError(f"rows={rows} but blocks has {blocks.shape[0]} rows")
     packed(blocks, info, cols, "blocks")
+    repacked_rows(blocks, info, repacked, "blocks")
 
 
 def get_rows(blocks: torch.Tensor, indices: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype) -> None:
-    info = storage_type(type_id)
+    info, repacked = stored(type_id)
     out_dtype(dtype)
     check_dtype(blocks, (torch.uint8,), "blocks")
     check_dim(blocks, 2, "blocks")
     packed(blocks, info, cols, "blocks")
     check_dtype(indices, _INDEX, "indices")
     check_dim(indices, 1, "indices")
+    repacked_rows(blocks, info, repacked, "blocks")
+
+
+def repack(blocks: torch.Tensor, type_id: int) -> None:
+    """repack: a plain packed weight (N, row_bytes), N a multiple of REPACK_ROWS."""
+    info = storage_type(type_id)
+    packed_weight(blocks, info, 2, "blocks")
+    if blocks.shape[0] % REPACK_ROWS:
+        raise ValueError(f"repacking takes rows in groups of {REPACK_ROWS}; blocks has {blocks.shape[0]}")
+
+
+def unrepack(blocks: torch.Tensor, type_id: int) -> None:
+    """unrepack: a repacked weight (N, row_bytes) of the plain type `type_id`."""
+    info = storage_type(type_id)
+    packed_weight(blocks, info, 2, "blocks")
+    repacked_rows(blocks, info, True, "blocks")
 
 
 def quantize(x: torch.Tensor, type_id: int, imatrix: torch.Tensor | None, needs_imatrix: bool) -> None:

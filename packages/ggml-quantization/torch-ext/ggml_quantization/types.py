@@ -97,6 +97,15 @@ STORAGE_TYPES: frozenset[int] = frozenset(int(t) for t, i in TYPE_INFO.items() i
 IMATRIX_TYPES: frozenset[int] = frozenset({int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ1_S)})
 
 
+# Added to a type id for a weight held in ggml-cpu's repacked layout (see `repack`).
+REPACKED = 1024
+
+
+def repacked_type(t: int | str | GGMLType) -> int:
+    """The type id of a `t` weight in the repacked layout (what `repack` returns is passed with it)."""
+    return type_id(t) + REPACKED
+
+
 def type_id(t: int | str | GGMLType) -> int:
     """A ggml type id from an id, a GGMLType or a name such as "Q4_K" (case-insensitive)."""
     if isinstance(t, str):

@@ -1,0 +1,93 @@
+"""Packed linears in ggml-cpu's repacked layout, as llama.cpp's CPU backend holds its weights.
+
+ggml-cpu has tiled gemm kernels for Q4_0, Q4_K, IQ4_NL and MXFP4 weights (x86 with AVX2; Q2_K with
+AVX-512) that read 8 weight rows interleaved block by block. With the weight in that layout a
+product with 2-47 activation rows (a short prompt, the first token of a chat turn) runs those
+kernels: 1.2-1.6x ggml's plain kernels on Q4_K, 2-4x on Q4_0 (ggml-quantization's README). ggml-quantization's `repack`
+makes the layout and every op of the package takes it (type id + `REPACKED`); longer products
+unpack each slice to the plain layout first, decode steps run ggml's repacked gemv.
+
+`install(model, quant)` (after a GGUF load, when `enable(repack_weights=True)`) repacks every
+`GgufLinear` weight of such a type whose row count is a multiple of 8 and that no other module shares
+(a tied embedding is read by get_rows, which stays on the plain layout), and sets the module's
+`ggml_type` to the repacked id. `state_dict()` still returns the GGUF bytes (a hook unpacks them) and
+`load_state_dict()` takes GGUF bytes (a hook repacks them).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+
+import torch
+
+REPACKED = 1024  # ggml-quantization's REPACKED (tests/test_integration_repacking.py checks)
+REPACK_ROWS = 8
+_repacked: weakref.WeakSet = weakref.WeakSet()  # modules holding a repacked weight now
+
+
+def base_type(ggml_type: int) -> int:
+    """The GGUF type of a type id, repacked or not."""
+    return ggml_type - REPACKED if ggml_type >= REPACKED else ggml_type
+
+
+def _shared_parameters(model) -> set[int]:
+    counts = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    return {pid for pid, n in counts.items() if n > 1}
+
+
+def install(model, quant) -> int:
+    """Repack the model's eligible `GgufLinear` weights in place; returns how many."""
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    types = quant.repacked_types()
+    shared = _shared_parameters(model)
+    done = 0
+    for module in model.modules():
+        if type(module) is not GgufLinear or module.ggml_type not in types:
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu" or module.out_features % REPACK_ROWS or id(weight) in shared:
+            continue
+        with torch.no_grad():
+            weight.data = quant.repack(weight.data, module.ggml_type)
+        module.ggml_type = quant.repacked_type(module.ggml_type)
+        if not getattr(module, "_ggml_kernels_state_dict_hooks", False):
+            _keep_gguf_bytes_in_state_dict(module, quant)
+            module._ggml_kernels_state_dict_hooks = True
+        _repacked.add(module)
+        done += 1
+    return done
+
+
+def unpack_all(quant) -> int:
+    """Put every repacked weight still alive back in the GGUF layout (for `disable()`: transformers'
+    own code reads only that one); returns how many."""
+    done = 0
+    for module in list(_repacked):
+        if module.ggml_type >= REPACKED:
+            plain_type = base_type(module.ggml_type)
+            with torch.no_grad():
+                module.weight.data = quant.unrepack(module.weight.data, plain_type)
+            module.ggml_type = plain_type
+            done += 1
+    _repacked.clear()
+    return done
+
+
+def _keep_gguf_bytes_in_state_dict(module, quant) -> None:
+    plain_type = base_type(module.ggml_type)
+
+    def unpack(mod, state_dict, prefix, local_metadata):
+        key = prefix + "weight"
+        if key in state_dict and mod.ggml_type >= REPACKED:
+            state_dict[key] = quant.unrepack(state_dict[key], plain_type)
+        return state_dict
+
+    def repack(mod, state_dict, prefix, *args):
+        key = prefix + "weight"
+        if key in state_dict and mod.ggml_type >= REPACKED:
+            state_dict[key] = quant.repack(state_dict[key].contiguous(), plain_type)
+
+    module._register_state_dict_hook(unpack)
+    module._register_load_state_dict_pre_hook(repack, with_module=True)
