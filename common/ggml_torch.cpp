@@ -233,19 +233,27 @@ ggml_tensor* Graph::raw(ggml_type type, const void* data, const int64_t (&ne)[4]
   return g;
 }
 
-void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
+void Graph::bind(ggml_tensor* result, const at::Tensor& dst) {
   const int nd = static_cast<int>(dst.dim());
   bool same = nd >= 1 && nd <= 4 && ggml_type_of(dst.scalar_type()) == result->type &&
               (dst.stride(-1) == 1 || dst.size(-1) == 1);
   for (int i = 0; same && i < 4; ++i) same = result->ne[i] == (i < nd ? dst.size(nd - 1 - i) : 1);
   TORCH_CHECK(same, "ggml-kernels: output buffer ", dst.sizes(),
               " does not match the graph result");
-  if (dst.numel() == 0) return;
   const int64_t es = static_cast<int64_t>(dst.element_size());
   for (int i = 1; i < nd; ++i) result->nb[i] = static_cast<size_t>(dst.stride(nd - 1 - i) * es);
   for (int i = std::max(nd, 1); i < 4; ++i) result->nb[i] = result->nb[i - 1] * result->ne[i - 1];
   result->data = dst.data_ptr();
+}
+
+void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
+  bind(result, dst);
+  if (dst.numel() == 0) return;
   run(result, n_threads);
+}
+
+void Graph::compute_bound(const std::vector<ggml_tensor*>& results, int n_threads) {
+  if (!results.empty()) run(results, n_threads);
 }
 
 void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int64_t index, int n_threads) {
@@ -274,6 +282,10 @@ void Graph::compute(ggml_tensor* result, void* dst, const size_t (&nb)[4], int n
 }
 
 void Graph::run(ggml_tensor* result, int n_threads) {
+  run(std::vector<ggml_tensor*>{result}, n_threads);
+}
+
+void Graph::run(const std::vector<ggml_tensor*>& results, int n_threads) {
   const auto& G = ggml();
   // Building a graph names every unnamed tensor with snprintf ("leaf_%d", "node_%d"), ~0.2 us each:
   // a quarter of a decode step's norm. Nothing here reads the names; a one-letter one skips that.
@@ -285,7 +297,7 @@ void Graph::run(ggml_tensor* result, int n_threads) {
     }
   }
   ggml_cgraph* graph = G.ggml_new_graph_custom(ctx_, graph_size_, false);
-  G.ggml_build_forward_expand(graph, result);
+  for (ggml_tensor* result : results) G.ggml_build_forward_expand(graph, result);
   const int n = G.ggml_graph_n_nodes(graph);
   // Intermediate results get memory in graph order: small ones (a decode step's) from this thread's
   // scratch buffer, which like the context buffer serves one graph at a time, instead of an

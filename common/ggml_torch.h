@@ -83,8 +83,14 @@ class Graph {
   // The same into raw memory of the result's type: nb in bytes, ggml's order.
   void compute(ggml_tensor* result, void* dst, const size_t (&nb)[4], int n_threads = 1);
 
+  // Several results in one graph: bind each to its output (as compute does), then run them all
+  // (one graph plan and one compute for all, e.g. several weights' products on one thread).
+  void bind(ggml_tensor* result, const at::Tensor& dst);
+  void compute_bound(const std::vector<ggml_tensor*>& results, int n_threads = 1);
+
  private:
   void run(ggml_tensor* result, int n_threads);
+  void run(const std::vector<ggml_tensor*>& results, int n_threads);
 
   ggml_context* ctx_ = nullptr;
   std::vector<at::Tensor> keep_alive_;

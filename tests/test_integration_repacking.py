@@ -61,7 +61,17 @@ def test_constants_match_the_package(quant):
     assert repacking.REPACKED == quant.REPACKED
 
 
-def test_install_repacks_what_it_should_and_products_agree(quant):
+def test_small_weights_stay_plain(quant):
+    """Below MIN_REPACK_BYTES (a 1024-column Q4_K weight of fewer than ~1800 rows) nothing is repacked."""
+    model = Tiny(quant)
+    assert repacking.install(model, quant) == 0
+    big = nn.Module()
+    big.proj = linear(quant, 8192, "Q4_K", 6)  # 8192 x 144 bytes = 1.1 MiB
+    assert repacking.install(big, quant) == 1
+
+
+def test_install_repacks_what_it_should_and_products_agree(quant, monkeypatch):
+    monkeypatch.setattr(repacking, "MIN_REPACK_BYTES", 0)  # these weights are small
     model = Tiny(quant)
     xs = [torch.randn(m, K, generator=torch.Generator().manual_seed(m)) for m in (1, 4, 40)]
     names = ("q4k", "q4_0", "q6k", "rows12", "tied")
@@ -101,6 +111,7 @@ from tools.models import make_gguf
 import ggml_kernels_integration as gk
 
 path = make_gguf.ensure("qwen35-tiny", "Q4_K_M")
+gk.repacking.MIN_REPACK_BYTES = 0  # the tiny model's weights are all small
 gk.enable()
 plain = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 gk.enable(repack_weights=True)

@@ -20,6 +20,14 @@ What is measured, with the same token ids for every backend (`prompt_ids`):
     peak_rss_mib     the process's peak resident memory (ru_maxrss) after the timed runs; also
                      rss_at_start_mib (before loading: interpreter and imports), load_peak_rss_mib
                      (peak right after loading) and rss_after_load_mib (resident right after loading)
+    first_token_ms   time to first token after a short prompt (`FIRST_TOKEN_PROMPTS` tokens): one forward
+                     over the prompt with a fresh cache and the greedy token from the last logits (the
+                     prefill above, timed as a chat turn's wait); median of `repeats` after a warm-up
+    generate_tok_s   what a generate() user gets: `GENERATE_TOKENS` greedy tokens after a
+                     `GENERATE_PROMPT_TOKENS`-token prompt through the library's own generation loop
+                     (transformers' `model.generate`, llama-cpp-python's `Llama.generate`), prompt
+                     included, tokens per second of the whole call (stopping early only at an end-of-
+                     text token); median of `repeats` after a warm-up
     kernel_calls     transformers backends: our ops the profiler saw in one extra, untimed pass
                      (`PROFILED_PROMPT_TOKENS`-token prefill + `PROFILED_DECODE_STEPS` decode steps)
     dense_prefill    kernels backend: whether block-32 prefill matmuls took `dense_prefill` (a CPU
@@ -45,6 +53,9 @@ PROFILED_PROMPT_TOKENS = 16  # > 8 rows: the prefill matmul path (mul_mat), not 
 PROFILED_DECODE_STEPS = 4
 PROMPT_SEED = 0
 DECODE_WARMUP_STEPS = 4
+FIRST_TOKEN_PROMPTS = (4, 16, 64)
+GENERATE_PROMPT_TOKENS = 12
+GENERATE_TOKENS = 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +174,14 @@ class TransformersRunner:
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         return cache, token
 
+    def generate(self, ids: list[int], new_tokens: int) -> int:
+        """transformers' greedy `generate`; returns how many tokens it made."""
+        import torch
+
+        x = torch.tensor([ids])
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False)
+        return out.shape[1] - len(ids)
+
 
 class LlamaCppRunner:
     """The same two steps through llama-cpp-python's low-level eval (greedy on the last logits)."""
@@ -188,6 +207,15 @@ class LlamaCppRunner:
             self.llm.eval([token])
             token = self._greedy()
         return cache, token
+
+    def generate(self, ids: list[int], new_tokens: int) -> int:
+        """llama-cpp-python's `Llama.generate` (greedy: temperature 0); returns how many tokens it made."""
+        made = 0
+        for token in self.llm.generate(ids, temp=0.0, reset=True):
+            made += 1
+            if made == new_tokens or token == self.llm.token_eos():
+                break
+        return made
 
 
 def time_prefill_and_decode(runner, vocab_size: int, prompt_tokens, decode_tokens: int, repeats: int) -> dict:
@@ -217,6 +245,29 @@ def time_prefill_and_decode(runner, vocab_size: int, prompt_tokens, decode_token
         "decode_prompt_tokens": decode_prompt,
         "decode_tok_s": _median_rate(decode_tokens, seconds),
     }
+
+
+def time_first_token_and_generate(runner, vocab_size: int, repeats: int) -> dict:
+    """Time to first token after each of FIRST_TOKEN_PROMPTS, and generate() tokens/s (module docstring)."""
+    first = {}
+    for n in FIRST_TOKEN_PROMPTS:
+        ids = prompt_ids(n, vocab_size)
+        runner.prefill(ids)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.prefill(ids)
+            seconds.append(time.perf_counter() - start)
+        first[str(n)] = 1e3 * statistics.median(seconds)
+    ids = prompt_ids(GENERATE_PROMPT_TOKENS, vocab_size)
+    runner.generate(ids, 4)  # warm-up
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        made = runner.generate(ids, GENERATE_TOKENS)
+        rates.append(made / (time.perf_counter() - start))
+    return {"first_token_ms": first, "generate_tok_s": statistics.median(rates),
+            "generate": {"prompt_tokens": GENERATE_PROMPT_TOKENS, "new_tokens": GENERATE_TOKENS}}
 
 
 def ggml_versions() -> dict:
@@ -249,6 +300,7 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
     runner = TransformersRunner(model)
     with torch.inference_mode():
         timings = time_prefill_and_decode(runner, vocab_size, prompt_tokens, decode_tokens, repeats)
+        timings.update(time_first_token_and_generate(runner, vocab_size, repeats))
         peak = peak_rss_mib()  # before the profiled pass, whose trace takes memory of its own
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         with profiler:
@@ -270,13 +322,16 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
 def _bench_llama_cpp(path: Path, prompt_tokens, decode_tokens: int, repeats: int, threads: int) -> dict:
     import llama_cpp
 
-    n_ctx = max(prompt_tokens) + decode_tokens + DECODE_WARMUP_STEPS + PROFILED_DECODE_STEPS
+    n_ctx = max(*prompt_tokens, *FIRST_TOKEN_PROMPTS, GENERATE_PROMPT_TOKENS + GENERATE_TOKENS) + decode_tokens
+    n_ctx += DECODE_WARMUP_STEPS + PROFILED_DECODE_STEPS
     start = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                           n_batch=max(512, max(prompt_tokens)), verbose=False)
     load_s = time.perf_counter() - start
     after_load = {"load_peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": current_rss_mib()}
-    timings = time_prefill_and_decode(LlamaCppRunner(llm), llm.n_vocab(), prompt_tokens, decode_tokens, repeats)
+    runner = LlamaCppRunner(llm)
+    timings = time_prefill_and_decode(runner, llm.n_vocab(), prompt_tokens, decode_tokens, repeats)
+    timings.update(time_first_token_and_generate(runner, llm.n_vocab(), repeats))
     return {
         "load_s": load_s,
         **after_load,
@@ -332,6 +387,12 @@ def format_result(result: dict) -> str:
         f"  decode tok/s: {result['decode_tok_s']:.1f} ({result['decode_tokens']} greedy tokens "
         f"after {result['decode_prompt_tokens']})",
     ]
+    if result.get("first_token_ms"):
+        first = ", ".join(f"{n} tok: {ms:.1f}" for n, ms in result["first_token_ms"].items())
+        gen = result["generate"]
+        lines.append(f"  first token ms: {first}")
+        lines.append(f"  generate() tok/s: {result['generate_tok_s']:.1f} ({gen['new_tokens']} tokens after "
+                     f"{gen['prompt_tokens']}, the prompt included)")
     if result.get("kernel_calls") is not None:
         calls = ", ".join(f"{op} x{n}" for op, n in result["kernel_calls"].items()) or "none"
         lines.append(f"  our kernels in a {result['profiled']}: {calls}")

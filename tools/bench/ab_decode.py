@@ -8,6 +8,7 @@ off, then on, and prints the median prefill tokens/s and decode ms per token of 
     python -m tools.bench.ab_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature rotary
     python -m tools.bench.ab_decode --gguf qwen35-0.8b.Q4_K_M.gguf --feature kv-cache --prompt-tokens 1024
     python -m tools.bench.ab_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature dense-prefill --prompt-tokens 512
+    python -m tools.bench.ab_decode --gguf qwen35-0.8b.Q4_K_M.gguf --feature repack-weights --prompt-tokens 4
 
 Features:
     kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat
@@ -17,6 +18,9 @@ Features:
     dense-prefill
               ggml_kernels_integration.dense_prefill (block-32 weights: ggml's dequantize + a
               bfloat16 GEMM for 32-64+ rows) vs ggml-quantization's mul_mat for every prefill matmul
+    repack-weights
+              ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
+              MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
 """
 
 from __future__ import annotations
@@ -81,8 +85,23 @@ def _switch_dense_prefill(model):
     return use
 
 
+def _switch_repack_weights(model):
+    import kernels
+    from ggml_kernels_integration import locate, repacking
+
+    quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
+
+    def use(on: bool) -> None:  # the weights change layout between rounds (not timed)
+        if on:
+            repacking.install(model, quant)
+        else:
+            repacking.unpack_all(quant)
+
+    return use
+
+
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear,
-            "dense-prefill": _switch_dense_prefill}
+            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights}
 
 
 def main() -> None:

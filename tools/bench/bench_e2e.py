@@ -10,7 +10,9 @@ and >= 4x less peak memory than transformers float32 (reported, never asserted).
 llama.cpp's and our decode speeds drift by 10-15% between runs on a shared machine, so the decode
 ratio is not taken from one pair of cells: after the table's cells, `kernels` and `llama.cpp` decode
 again in alternating fresh processes (`--decode-rounds`, 3 by default), and the target line reports
-the median of the per-round ratios.
+the median of the per-round ratios. Those rounds also time what a chat user waits for: the first
+token after 4, 16 and 64-token prompts and generate() of 32 tokens after 12 (`bench.FIRST_TOKEN_PROMPTS`,
+`GENERATE_*`), reported as ours against llama.cpp's, median of the rounds (target: at least 1x).
 
     python -m tools.bench.bench_e2e                      # prefill 64 and 512 tokens, decode 128 tokens
     python -m tools.bench.bench_e2e --quick              # a smoke run: prefill 16 and 64, decode 16
@@ -29,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from ggml_kernels_integration.bench import FIRST_TOKEN_PROMPTS, GENERATE_PROMPT_TOKENS, GENERATE_TOKENS
+
 from tools import REPO
 from tools.models import make_gguf, smollm2
 
@@ -43,6 +47,7 @@ BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf",
 TARGET_DECODE_VS_LLAMA_CPP = 0.8
 TARGET_DECODE_VS_F32 = 3.0
 TARGET_MEMORY_F32_OVER_OURS = 4.0
+TARGET_SHORT_PROMPTS_VS_LLAMA_CPP = 1.0
 FULL = {"prompt_tokens": [64, 512], "decode_tokens": 128, "repeats": 3, "decode_rounds": 3}
 QUICK = {"prompt_tokens": [16, 64], "decode_tokens": 16, "repeats": 1, "decode_rounds": 0}
 RUN_TIMEOUT_S = 3600
@@ -123,6 +128,26 @@ def decode_rounds(model: str, rounds: list[dict]) -> dict | None:
             "median_ratio": statistics.median(ratios)}
 
 
+def short_prompt_lines(model: str, rounds: list[dict]) -> list[str]:
+    """Our first-token times and generate() speed against llama.cpp's, median of the alternating
+    rounds' ratios (above 1: ours is faster), with TARGET_SHORT_PROMPTS_VS_LLAMA_CPP."""
+    mine = [r for r in rounds if r["model_name"] == model and r.get("first_token", {}).get("kernels")
+            and r.get("first_token", {}).get("llama.cpp")]
+    if not mine:
+        return []
+    parts = []
+    for n in FIRST_TOKEN_PROMPTS:
+        pairs = [(r["first_token"]["kernels"][str(n)], r["first_token"]["llama.cpp"][str(n)]) for r in mine]
+        parts.append((f"first token after {n} ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in pairs)} ms)",
+                      statistics.median(b / a for a, b in pairs)))
+    pairs = [(r["generate"]["kernels"], r["generate"]["llama.cpp"]) for r in mine]
+    parts.append((f"generate() ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in pairs)} tok/s)",
+                  statistics.median(a / b for a, b in pairs)))
+    target = TARGET_SHORT_PROMPTS_VS_LLAMA_CPP
+    cells = [f"{label} {value:.2f}x (>= {target:g}x) {'PASS' if value >= target else 'MISS'}" for label, value in parts]
+    return [f"- {model}, ours/llama.cpp in {len(mine)} alternating rounds (speed ratio, median): " + "; ".join(cells)]
+
+
 def target_lines(model: str, ratios: dict, rounds: dict | None = None) -> list[str]:
     """PASS / MISS of our (the `kernels` backend's) three targets on one model; the decode ratio is
     the median over the alternating rounds when there are any."""
@@ -151,6 +176,7 @@ def target_lines(model: str, ratios: dict, rounds: dict | None = None) -> list[s
 def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dict] | None = None) -> str:
     prompts = settings["prompt_tokens"]
     header = (["model", "backend"] + [f"prefill {n} tok/s" for n in prompts]
+              + [f"first token {n} ms" for n in FIRST_TOKEN_PROMPTS] + ["generate() tok/s"]
               + [f"decode {settings['decode_tokens']} tok/s", "peak RSS MiB", "weights MiB", "load s",
                  "decode vs llama.cpp", "decode vs f32", "memory f32/this", "model memory f32/this"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -163,15 +189,20 @@ def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dic
                 lines.append(f"| {model} | {backend} | failed: {error_summary(row)[:120]} |")
                 continue
             ratio = ratios[backend]
+            first = row.get("first_token_ms") or {}
             cells = ([model, backend] + [fmt_value(row["prefill_tok_s"].get(str(n))) for n in prompts]
+                     + [fmt_value(first.get(str(n))) for n in FIRST_TOKEN_PROMPTS] + [fmt_value(row.get("generate_tok_s"))]
                      + [fmt_value(row["decode_tok_s"]), fmt_value(row["peak_rss_mib"], ".0f"), fmt_value(row["weights_mib"], ".0f"),
                         fmt_value(row["load_s"], ".2f"), fmt_value(ratio["decode_vs_llama_cpp"], ".2f", "x"),
                         fmt_value(ratio["decode_vs_f32"], ".2f", "x"), fmt_value(ratio["memory_f32_over_this"], ".1f", "x"),
                         fmt_value(ratio["model_memory_f32_over_this"], ".1f", "x")])
             lines.append("| " + " | ".join(cells) + " |")
         targets += target_lines(model, ratios, decode_rounds(model, rounds or []))
+        targets += short_prompt_lines(model, rounds or [])
     notes = [f"{threads} threads, median of {settings['repeats']}; decode after a {min(prompts)}-token prompt; "
-             "same token ids for every backend; one process per cell"]
+             f"first token: one forward over a prompt of that many tokens with a fresh cache; generate(): "
+             f"{GENERATE_TOKENS} greedy tokens after {GENERATE_PROMPT_TOKENS} through the library's own loop, the "
+             "prompt included; same token ids for every backend; one process per cell"]
     floors = [r["rss_at_start_mib"] for r in results if "error" not in r]
     if floors:
         low, high = f"{min(floors):.0f}", f"{max(floors):.0f}"
@@ -258,10 +289,14 @@ def main() -> None:
         for r in range(settings.get("decode_rounds", 0)):
             for model in args.models:
                 row = {"model_name": model, "round": r + 1}
+                row["first_token"], row["generate"] = {}, {}
                 for backend in ("kernels", "llama.cpp"):
-                    _log(f"[decode round {r + 1}] {model} on {backend} ...")
+                    _log(f"[round {r + 1}] {model} on {backend} ...")
                     result = measure(MODEL_FILES[model](), backend, decode_only, threads)
-                    row[backend] = None if "error" in result else result["decode_tok_s"]
+                    failed = "error" in result
+                    row[backend] = None if failed else result["decode_tok_s"]
+                    row["first_token"][backend] = None if failed else result.get("first_token_ms")
+                    row["generate"][backend] = None if failed else result.get("generate_tok_s")
                 rounds.append(row)
 
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": _cpu_name(), "threads": threads,

@@ -5,7 +5,8 @@
 2. SmolLM2 answers a question with greedy decoding through our kernels (`python -m
    ggml_kernels_integration generate --chat`), next to transformers alone and llama.cpp.
 3. Each model on each backend in a process of its own (`python -m ggml_kernels_integration bench`):
-   prefill and decode tokens/s, peak memory, and which of our kernels ran (torch profiler).
+   prefill and decode tokens/s, time to first token after 4 / 16 / 64-token prompts, generate()
+   tokens/s, peak memory, and which of our kernels ran (torch profiler).
 
     python -m tools.bench.demo [--threads N] [--prompt-tokens 64] [--decode-tokens 32]
 
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ggml_kernels_integration.bench import FIRST_TOKEN_PROMPTS, GENERATE_PROMPT_TOKENS, GENERATE_TOKENS
 
 from tools.bench import bench_e2e
 from tools.models import make_gguf, smollm2
@@ -89,9 +92,12 @@ def _kernel_summary(calls: dict) -> str:
 
 def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
     n_prompt, n_decode = settings["prompt_tokens"][0], settings["decode_tokens"]
+    first = "/".join(str(n) for n in FIRST_TOKEN_PROMPTS)
     lines = [f"prefill {n_prompt} tokens, then {n_decode} greedy decode tokens (tok/s, median of {settings['repeats']}); "
-             "each backend in a process of its own",
-             f"  {'model / backend':28s} {'prefill':>8s} {'decode':>8s} {'peak RSS':>9s} {'weights':>8s} {'load':>6s}"]
+             f"first token after {first}-token prompts (ms); generate(): {GENERATE_TOKENS} tokens after "
+             f"{GENERATE_PROMPT_TOKENS}, the prompt included (tok/s); each backend in a process of its own",
+             f"  {'model / backend':28s} {'prefill':>8s} {'decode':>8s} {'first token ms':>18s} {'generate':>9s} "
+             f"{'peak RSS':>9s} {'weights':>8s} {'load':>6s}"]
     ggml = ""
     for model, (description, make_path) in DEMO_MODELS.items():
         path = make_path()
@@ -104,15 +110,22 @@ def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
             if "error" in row:
                 lines.append(f"  {BACKEND_LABELS[backend]:28s} FAILED: {bench_e2e.error_summary(row)}")
                 continue
+            firsts = "/".join(f"{row['first_token_ms'][str(n)]:.0f}" for n in FIRST_TOKEN_PROMPTS)
             lines.append(f"  {BACKEND_LABELS[backend]:28s} {row['prefill_tok_s'][str(n_prompt)]:8.1f} "
-                         f"{row['decode_tok_s']:8.1f} {row['peak_rss_mib']:5.0f} MiB {row['weights_mib']:4.0f} MiB "
-                         f"{row['load_s']:5.1f}s")
+                         f"{row['decode_tok_s']:8.1f} {firsts:>18s} {row['generate_tok_s']:9.1f} "
+                         f"{row['peak_rss_mib']:5.0f} MiB {row['weights_mib']:4.0f} MiB {row['load_s']:5.1f}s")
         ours = rows.get("kernels", {})
         if "error" not in ours:
             ratio = bench_e2e.comparisons({b: r for b, r in rows.items() if "error" not in r})["kernels"]
             lines.append(f"  ours: decode {bench_e2e.fmt_value(ratio['decode_vs_f32'], '.1f', 'x')} transformers f32 and "
                          f"{bench_e2e.fmt_value(ratio['decode_vs_llama_cpp'], '.2f', 'x')} llama.cpp; "
                          f"{bench_e2e.fmt_value(ratio['memory_f32_over_this'], '.1f', 'x')} less peak memory than f32")
+            llama = rows.get("llama.cpp", {})
+            if "error" not in llama:
+                short = ", ".join(f"{llama['first_token_ms'][str(n)] / ours['first_token_ms'][str(n)]:.2f}x after {n}"
+                                  for n in FIRST_TOKEN_PROMPTS)
+                lines.append(f"  ours against llama.cpp (speed, above 1: ours is faster): first token {short}; "
+                             f"generate() {ours['generate_tok_s'] / llama['generate_tok_s']:.2f}x")
             lines.append(f"  our kernels in a {ours['profiled']}: {_kernel_summary(ours['kernel_calls'])}")
             versions = ours.get("versions", {})
             ggml = f"ggml {versions.get('ggml', '?')}, CPU level '{versions.get('ggml_cpu_level', '?')}'"

@@ -159,47 +159,71 @@ struct DotRows {
 // than the rows it would take (a 192x576 Q4_1 projection, 69 KiB, runs on one thread).
 constexpr int64_t kMinBytesPerThread = int64_t{1} << 16;
 
+// Threads for products over `total` bytes of weights: at least kMinBytesPerThread each.
+int64_t threads_for(int64_t total) {
+  return std::clamp<int64_t>(total / kMinBytesPerThread, 1, std::max(1, at::get_num_threads()));
+}
+
+// Thread t's share of weights laid end to end (`total` bytes), cut into runs of about equal bytes:
+// of the weight of `rows` rows (row_bytes each) starting at byte `base`, the rows [r0, r1) whose
+// first byte lies in the thread's run, both ends rounded up to a multiple of `align`.
+std::pair<int64_t, int64_t> share_rows(int64_t total, int64_t t, int64_t threads, int64_t base,
+                                       int64_t rows, int64_t row_bytes, int64_t align = 1) {
+  auto first_row_at = [&](int64_t byte) {
+    const int64_t r = std::clamp<int64_t>((byte - base + row_bytes - 1) / row_bytes, 0, rows);
+    return std::min(rows, (r + align - 1) / align * align);
+  };
+  return {first_row_at(total * t / threads), first_row_at(total * (t + 1) / threads)};
+}
+
+// Runs share(t) for every t in [0, threads) on torch's threads (inline for one, or when nested).
+// The workers get no copy of torch's thread-local state: shares run no torch ops.
+template <typename F>
+void run_shares(int64_t threads, const F& share) {
+  if (threads == 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < threads; ++t) share(t);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) share(t);
+  });
+}
+
+int64_t total_bytes(const std::vector<DotRows>& dots) {
+  int64_t total = 0;
+  for (const auto& d : dots) total += d.rows * d.row_bytes;
+  return total;
+}
+
+// Thread t's share of the one-row products `dots`, with ggml-cpu's vec_dot, the weight rows
+// requested kPrefetchBytes ahead.
+void dot_share(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64_t t,
+               int64_t threads) {
+  int64_t base = 0;
+  for (const auto& d : dots) {
+    const auto [r0, r1] = share_rows(total, t, threads, base, d.rows, d.row_bytes);
+    base += d.rows * d.row_bytes;
+    const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + d.row_bytes - 1) / d.row_bytes);
+    for (int64_t i = r0; i < r1; ++i) {
+      if (i + pf_rows < r1) {
+        const char* ahead = reinterpret_cast<const char*>(d.w + (i + pf_rows) * d.stride);
+        for (int64_t off = 0; off < d.row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
+      }
+      d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
+    }
+  }
+}
+
 // out_w = x @ W.T for one activation row and every weight W of `dots` (each with k columns), with
 // ggml-cpu's vec_dot. The weights' rows are laid end to end and cut into one contiguous run of
 // about equal bytes per thread: streaming from DRAM, two long runs beat finer chunks taken from a
 // shared counter (A/B in one process, 2 threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584
 // Q6_K 75.0 -> 62.8 us against 8 chunks per thread; 2 per thread was in between). Several weights
 // that read the same activations (q/k/v, gate/up) so share one parallel region, and small ones are
-// not left to a single thread. The workers run no torch code, so no thread-local state is passed to
-// them.
+// not left to a single thread.
 void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
-  int64_t total = 0;
-  for (const auto& d : dots) total += d.rows * d.row_bytes;
-  const int64_t threads =
-      std::clamp<int64_t>(total / kMinBytesPerThread, 1, std::max(1, at::get_num_threads()));
-  auto run = [&](int64_t t) {  // rows whose first byte lies in [lo, hi) of the laid-out weights
-    const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
-    int64_t base = 0;
-    for (const auto& d : dots) {
-      const int64_t size = d.rows * d.row_bytes;
-      const int64_t r0 =
-          std::clamp<int64_t>((lo - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
-      const int64_t r1 =
-          std::clamp<int64_t>((hi - base + d.row_bytes - 1) / d.row_bytes, 0, d.rows);
-      base += size;
-      const int64_t pf_rows =
-          std::max<int64_t>(1, (kPrefetchBytes + d.row_bytes - 1) / d.row_bytes);
-      for (int64_t i = r0; i < r1; ++i) {
-        if (i + pf_rows < r1) {
-          const char* ahead = reinterpret_cast<const char*>(d.w + (i + pf_rows) * d.stride);
-          for (int64_t off = 0; off < d.row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
-        }
-        d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
-      }
-    }
-  };
-  if (threads == 1 || at::in_parallel_region()) {
-    for (int64_t t = 0; t < threads; ++t) run(t);
-    return;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) run(t);
-  });
+  const int64_t total = total_bytes(dots), threads = threads_for(total);
+  run_shares(threads, [&](int64_t t) { dot_share(dots, k, total, t, threads); });
 }
 
 DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, at::Tensor& out) {
@@ -356,38 +380,69 @@ void mul_mat_plain(const at::Tensor& blocks, ggml_type type, int64_t k, const at
                  [&](int64_t n0, int64_t n1) { return blocks.narrow(0, n0, n1 - n0); });
 }
 
+// One repacked weight of a product with fewer than kPlainLayoutRows rows, and its output (M, N).
+struct RepackedRows {
+  at::Tensor blocks;
+  ggml_type type;
+  at::Tensor out2;
+};
+
+int64_t total_bytes(const std::vector<RepackedRows>& ws) {
+  int64_t total = 0;
+  for (const auto& w : ws) total += w.blocks.numel();
+  return total;
+}
+
+// Thread t's share of the repacked products `ws` (x2: (M, K) float32): one graph holding the
+// thread's rows of every weight (slices in whole groups of kRepackRows), on ggml's repacked gemv
+// (1-3 rows) and gemm (4 rows at a time); they quantize x themselves. One graph per thread: every
+// graph costs its building, which finer slices do not win back (3584x1024 Q4_K, 2 threads, one
+// row: 75 us with 4 slices per thread, 56 us with one).
+void repacked_share(const std::vector<RepackedRows>& ws, int64_t k, const at::Tensor& x2,
+                    int64_t total, int64_t t, int64_t threads) {
+  Graph g(static_cast<int>(2 * ws.size() + 2));
+  ggml_tensor* xt = nullptr;
+  std::vector<ggml_tensor*> results;
+  int64_t base = 0;
+  for (const auto& w : ws) {
+    const int64_t rows = w.blocks.size(0), rb = w.blocks.size(1);
+    const auto [r0, r1] = share_rows(total, t, threads, base, rows, rb, kRepackRows);
+    base += rows * rb;
+    if (r0 >= r1) continue;
+    if (xt == nullptr) xt = g.view(x2);
+    ggml_tensor* wt = g.packed(w.blocks.narrow(0, r0, r1 - r0), w.type, k);
+    ggml_quantization::mark_repacked(wt);
+    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), wt, xt);  // {r1 - r0, M}
+    g.bind(y, w.out2.narrow(1, r0, r1 - r0));
+    results.push_back(y);
+  }
+  g.compute_bound(results);
+}
+
 // Activation rows from which a repacked weight's product is faster on ggml's plain kernels (each
 // slice's rows unpacked first) than on its repacked gemm. Measured on 3584x1024 and 1024x3584 Q4_K
 // weights, 2 threads (AVX-512 CPU): the repacked gemm is 1.2-1.6x the plain kernels at 2-16 rows,
 // 0.86-0.98x at 32 and 0.53-0.62x at 512; unpacking first is 0.73-0.78x at 64.
 constexpr int64_t kPlainLayoutRows = 48;
 
-// out (M, N) = x (M, K) @ W.T for a weight in the repacked layout: ggml's repacked kernels (gemv
-// per row, gemm per 4 rows; they quantize x themselves), or for many rows its plain kernels on
-// each slice unpacked.
+// out (M, N) = x (M, K) @ W.T for a weight in the repacked layout: ggml's repacked kernels
+// (repacked_share), or for many rows its plain kernels on each slice unpacked.
 void mul_mat_repacked(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xf2,
                       const at::Tensor& out2) {
   const int64_t m = xf2.size(0), n = blocks.size(0), rb = blocks.size(1);
-  if (m >= kPlainLayoutRows) {
-    const at::Tensor xq = activations_for(xf2, type);
-    const auto* w = blocks.data_ptr<uint8_t>();
-    mul_mat_slices(type, k, rb, n, xf2, xq, out2, [&](int64_t n0, int64_t n1) {
-      auto rows = at::empty({n1 - n0, rb}, blocks.options());
-      ggml_quantization::unrepack_groups(type, w, rb, rb, n0 / kRepackRows, n1 / kRepackRows,
-                                         rows.data_ptr<uint8_t>());
-      return rows;
-    });
+  if (m < kPlainLayoutRows) {
+    const std::vector<RepackedRows> ws{{blocks, type, out2}};
+    const int64_t total = total_bytes(ws), threads = threads_for(total);
+    run_shares(threads, [&](int64_t t) { repacked_share(ws, k, xf2, total, t, threads); });
     return;
   }
-  // one slice per thread: every slice is a graph, and finer ones cost more in building than they
-  // win in balance (3584x1024 Q4_K, 2 threads, one row: 75 us with 4 slices per thread, 56 us with
-  // 1)
-  parallel_chunks(n, min_rows_per_task(rb), 16, 1, [&](int64_t n0, int64_t n1) {
-    Graph g(8);
-    ggml_tensor* w = g.packed(blocks.narrow(0, n0, n1 - n0), type, k);
-    ggml_quantization::mark_repacked(w);
-    ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), w, g.view(xf2));  // {n1 - n0, M}
-    g.compute(y, out2.narrow(1, n0, n1 - n0));
+  const at::Tensor xq = activations_for(xf2, type);
+  const auto* w = blocks.data_ptr<uint8_t>();
+  mul_mat_slices(type, k, rb, n, xf2, xq, out2, [&](int64_t n0, int64_t n1) {
+    auto rows = at::empty({n1 - n0, rb}, blocks.options());
+    ggml_quantization::unrepack_groups(type, w, rb, rb, n0 / kRepackRows, n1 / kRepackRows,
+                                       rows.data_ptr<uint8_t>());
+    return rows;
   });
 }
 
@@ -457,40 +512,57 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
   TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n,
                     " weights, ", type_ids.size(), " ggml types and ", out_features.size(),
                     " out_features: one each");
-  std::vector<ggml_type> types(n);
   // x (..., K) checked against every weight below; m rows of it
   const int64_t m = x.dim() >= 1 && x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
-  bool direct = m >= 1 && m <= kDirectDotRows;
+  std::vector<Storage> stored(n);
   for (size_t i = 0; i < n; ++i) {
     const std::string name = "blocks[" + std::to_string(i) + "]";
-    const Storage st = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
-    types[i] = st.type;
-    const auto* traits = ggml().ggml_get_type_traits_cpu(types[i]);
-    direct = direct && !st.repacked && !is_float_type(types[i]) &&
-             traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1;
+    stored[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
   }
-  std::vector<at::Tensor> outs;
-  outs.reserve(n);
-  if (!direct) {  // several rows (or a float or repacked weight): each product on its own
-    for (size_t i = 0; i < n; ++i)
-      outs.push_back(mul_mat_cpu(blocks[i], x, type_ids[i], out_features[i]));
-    return outs;
-  }
-  // One activation row quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then every
-  // weight's rows in one parallel region.
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<std::pair<ggml_type, at::Tensor>> quantized;
+  // Each weight's path: one-row dot products (plain weights), ggml's repacked kernels (repacked
+  // weights, fewer than kPlainLayoutRows rows), or mul_mat on its own. The first two run together:
+  // the activations quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then one
+  // parallel region over all their rows, each thread taking its share of both kinds.
+  auto is_direct = [&](const Storage& st) {
+    const auto* traits = ggml().ggml_get_type_traits_cpu(st.type);
+    return m >= 1 && m <= kDirectDotRows && !st.repacked && !is_float_type(st.type) &&
+           traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1;
+  };
+  auto is_few_repacked = [&](const Storage& st) {
+    return st.repacked && m >= 1 && m < kPlainLayoutRows;
+  };
+  std::vector<at::Tensor> outs(n);
   std::vector<DotRows> dots;
+  std::vector<RepackedRows> repacked;
+  std::vector<std::pair<ggml_type, at::Tensor>> quantized;
+  at::Tensor xf;
   for (size_t i = 0; i < n; ++i) {
-    const ggml_type vdt = ggml().ggml_get_type_traits_cpu(types[i])->vec_dot_type;
+    const Storage& st = stored[i];
+    if (!is_direct(st) && !is_few_repacked(st)) {
+      outs[i] = mul_mat_cpu(blocks[i], x, type_ids[i], out_features[i]);
+      continue;
+    }
+    if (!xf.defined()) xf = x.to(at::kFloat).contiguous();
+    outs[i] = at::empty(rows_shape(x, out_features[i]), x.options().dtype(at::kFloat));
+    if (st.repacked) {
+      repacked.push_back({blocks[i], st.type, outs[i].view({m, out_features[i]})});
+      continue;
+    }
+    const ggml_type vdt = ggml().ggml_get_type_traits_cpu(st.type)->vec_dot_type;
     auto it = std::find_if(quantized.begin(), quantized.end(),
                            [&](const auto& e) { return e.first == vdt; });
     if (it == quantized.end())
-      it = quantized.insert(quantized.end(), {vdt, activations_for(xf, types[i])});
-    outs.push_back(at::empty(rows_shape(x, out_features[i]), x.options().dtype(at::kFloat)));
-    dots.push_back(dot_rows(blocks[i], types[i], it->second, outs.back()));
+      it = quantized.insert(quantized.end(), {vdt, activations_for(xf, st.type)});
+    dots.push_back(dot_rows(blocks[i], st.type, it->second, outs[i]));
   }
-  direct_dot_rows(dots, x.size(-1));
+  if (!xf.defined()) return outs;
+  const int64_t k = x.size(-1), dot_total = total_bytes(dots), rep_total = total_bytes(repacked);
+  const int64_t threads = threads_for(dot_total + rep_total);
+  const at::Tensor x2 = xf.view({m, k});
+  run_shares(threads, [&](int64_t t) {
+    if (dot_total > 0) dot_share(dots, k, dot_total, t, threads);
+    if (rep_total > 0) repacked_share(repacked, k, x2, rep_total, t, threads);
+  });
   return outs;
 }
 
