@@ -2,6 +2,7 @@
 
 Backends:
     kernels            transformers + ggml-kernels (`enable()`): weights stay packed, our kernels compute
+    kernels-repacked   the same with `enable(repack_weights=True)` (ggml-cpu's repacked layout)
     transformers-f32   transformers alone: every weight dequantized to dense float32 at load
     transformers-bf16  the same in bfloat16
     llama.cpp          llama-cpp-python (the llama.cpp build the tests use as oracle) on the same file
@@ -44,8 +45,9 @@ import statistics
 import time
 from pathlib import Path
 
-BACKENDS = ("kernels", "transformers-f32", "transformers-bf16", "llama.cpp")
-TRANSFORMERS_DTYPES = {"kernels": "float32", "transformers-f32": "float32", "transformers-bf16": "bfloat16"}
+BACKENDS = ("kernels", "kernels-repacked", "transformers-f32", "transformers-bf16", "llama.cpp")
+TRANSFORMERS_DTYPES = {"kernels": "float32", "kernels-repacked": "float32", "transformers-f32": "float32",
+                       "transformers-bf16": "bfloat16"}
 DEFAULT_PROMPT_TOKENS = (64, 512)
 DEFAULT_DECODE_TOKENS = 128
 DEFAULT_REPEATS = 3
@@ -68,14 +70,14 @@ def silence_kernel_mapping_warnings() -> None:
     logging.getLogger("kernels").setLevel(logging.ERROR)
 
 
-def setup_transformers(kernels_on: bool) -> None:
-    """Make this process load GGUF files with our kernels (`enable()`: packed weights) or with
-    transformers alone (every weight dequantized to a dense tensor at load). Process-wide and final:
-    call once, before the first `from_pretrained`."""
+def setup_transformers(kernels_on: bool, repack_weights: bool = False) -> None:
+    """Make this process load GGUF files with our kernels (`enable()`: packed weights, repacked with
+    `repack_weights`) or with transformers alone (every weight dequantized to a dense tensor at load).
+    Process-wide and final: call once, before the first `from_pretrained`."""
     if kernels_on:
         import ggml_kernels_integration as gk
 
-        gk.enable(report_loads=False)
+        gk.enable(report_loads=False, repack_weights=repack_weights)
     else:
         silence_kernel_mapping_warnings()
         os.environ.pop("LOCAL_KERNELS", None)
@@ -292,7 +294,8 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
     import torch
     import transformers
 
-    setup_transformers(kernels_on=backend == "kernels")
+    ours = backend.startswith("kernels")
+    setup_transformers(kernels_on=ours, repack_weights=backend == "kernels-repacked")
     model, load_s = load_transformers_model(path, TRANSFORMERS_DTYPES[backend])
     after_load = {"load_peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": current_rss_mib()}
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -314,8 +317,8 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
         "kernel_calls": count_our_kernel_calls(profiler),
         "profiled": f"{PROFILED_PROMPT_TOKENS}-token prefill + {PROFILED_DECODE_STEPS} decode steps",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     **(ggml_versions() if backend == "kernels" else {})},
-        **({"dense_prefill": dense_prefill_active()} if backend == "kernels" else {}),
+                     **(ggml_versions() if ours else {})},
+        **({"dense_prefill": dense_prefill_active()} if ours else {}),
     }
 
 

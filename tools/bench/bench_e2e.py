@@ -41,8 +41,9 @@ MODEL_FILES = {  # name in the table -> the function that returns (and makes, if
     "qwen35moe-1.6b-a0.5b": lambda: make_gguf.ensure("qwen35moe-1.6b-a0.5b", "Q4_K_M"),
     "smollm2-135m": smollm2.gguf_path,
 }
-BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "llama.cpp")
+BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "kernels-repacked", "llama.cpp")
 BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf", "kernels": "#1f77b4",
+                  "kernels-repacked": "#6baed6",
                   "llama.cpp": "#ff7f0e"}
 TARGET_DECODE_VS_LLAMA_CPP = 0.8
 TARGET_DECODE_VS_F32 = 3.0
@@ -128,24 +129,24 @@ def decode_rounds(model: str, rounds: list[dict]) -> dict | None:
             "median_ratio": statistics.median(ratios)}
 
 
-def short_prompt_lines(model: str, rounds: list[dict]) -> list[str]:
-    """Our first-token times and generate() speed against llama.cpp's, median of the alternating
+def short_prompt_lines(model: str, rounds: list[dict], ours: str = "kernels") -> list[str]:
+    """`ours`' first-token times and generate() speed against llama.cpp's, median of the alternating
     rounds' ratios (above 1: ours is faster), with TARGET_SHORT_PROMPTS_VS_LLAMA_CPP."""
-    mine = [r for r in rounds if r["model_name"] == model and r.get("first_token", {}).get("kernels")
+    mine = [r for r in rounds if r["model_name"] == model and r.get("first_token", {}).get(ours)
             and r.get("first_token", {}).get("llama.cpp")]
     if not mine:
         return []
     parts = []
     for n in FIRST_TOKEN_PROMPTS:
-        pairs = [(r["first_token"]["kernels"][str(n)], r["first_token"]["llama.cpp"][str(n)]) for r in mine]
+        pairs = [(r["first_token"][ours][str(n)], r["first_token"]["llama.cpp"][str(n)]) for r in mine]
         parts.append((f"first token after {n} ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in pairs)} ms)",
                       statistics.median(b / a for a, b in pairs)))
-    pairs = [(r["generate"]["kernels"], r["generate"]["llama.cpp"]) for r in mine]
+    pairs = [(r["generate"][ours], r["generate"]["llama.cpp"]) for r in mine]
     parts.append((f"generate() ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in pairs)} tok/s)",
                   statistics.median(a / b for a, b in pairs)))
     target = TARGET_SHORT_PROMPTS_VS_LLAMA_CPP
     cells = [f"{label} {value:.2f}x (>= {target:g}x) {'PASS' if value >= target else 'MISS'}" for label, value in parts]
-    return [f"- {model}, ours/llama.cpp in {len(mine)} alternating rounds (speed ratio, median): " + "; ".join(cells)]
+    return [f"- {model}, {ours}/llama.cpp in {len(mine)} alternating rounds (speed ratio, median): " + "; ".join(cells)]
 
 
 def target_lines(model: str, ratios: dict, rounds: dict | None = None) -> list[str]:
@@ -199,6 +200,7 @@ def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dic
             lines.append("| " + " | ".join(cells) + " |")
         targets += target_lines(model, ratios, decode_rounds(model, rounds or []))
         targets += short_prompt_lines(model, rounds or [])
+        targets += short_prompt_lines(model, rounds or [], ours="kernels-repacked")
     notes = [f"{threads} threads, median of {settings['repeats']}; decode after a {min(prompts)}-token prompt; "
              f"first token: one forward over a prompt of that many tokens with a fresh cache; generate(): "
              f"{GENERATE_TOKENS} greedy tokens after {GENERATE_PROMPT_TOKENS} through the library's own loop, the "
@@ -290,7 +292,7 @@ def main() -> None:
             for model in args.models:
                 row = {"model_name": model, "round": r + 1}
                 row["first_token"], row["generate"] = {}, {}
-                for backend in ("kernels", "llama.cpp"):
+                for backend in [b for b in ("kernels", "kernels-repacked", "llama.cpp") if b in args.backends]:
                     _log(f"[round {r + 1}] {model} on {backend} ...")
                     result = measure(MODEL_FILES[model](), backend, decode_only, threads)
                     failed = "error" in result
