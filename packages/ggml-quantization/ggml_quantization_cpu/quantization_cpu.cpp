@@ -96,11 +96,15 @@ at::Tensor float_view(const at::Tensor& blocks, ggml_type type, int64_t cols) {
   return blocks.view(dt).view({blocks.size(0), cols});
 }
 
-// Weight rows a chunk takes at least: ~256 KiB of packed weights, since every chunk is a ggml graph
-// of its own and small matrices are done before another thread would wake up: a 1024x1024 Q4_0
-// weight (576 KiB) makes two chunks, a 9216x2560 Q4_K one eight (threads take them as they go).
-int64_t min_rows_per_task(int64_t row_bytes) {
-  return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes);
+// Weight rows a chunk takes at least: ~256 KiB of packed weights for one activation row, since
+// every chunk is a ggml graph of its own and small matrices are done before another thread would
+// wake up: a 1024x1024 Q4_0 weight (576 KiB) makes two chunks, a 9216x2560 Q4_K one eight (threads
+// take them as they go). With m activation rows a chunk has m times the work: the bytes shrink with
+// m (to a sixteenth), so that a short prompt's small matrices are split too (SmolLM2's 576x576
+// Q4_1, 207 KiB, ran on one thread at 16 rows).
+int64_t min_rows_per_task(int64_t row_bytes, int64_t m = 1) {
+  const int64_t bytes = (int64_t{1} << 18) / std::clamp<int64_t>(m, 1, 16);
+  return std::max<int64_t>(16, bytes / row_bytes);
 }
 
 // The activations as ggml-cpu's dot products read them: each row of x (M, K) float32 converted to
@@ -364,7 +368,7 @@ template <typename PlainRows>
 void mul_mat_slices(ggml_type type, int64_t k, int64_t row_bytes, int64_t n, const at::Tensor& xf2,
                     const at::Tensor& xq, const at::Tensor& out2, const PlainRows& plain_rows) {
   const ggml_type vdt = ggml().ggml_get_type_traits_cpu(type)->vec_dot_type;
-  parallel_chunks(n, min_rows_per_task(row_bytes), 16, 4, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(n, min_rows_per_task(row_bytes, xf2.size(0)), 16, 4, [&](int64_t n0, int64_t n1) {
     const at::Tensor rows = plain_rows(n0, n1);
     Graph g(8);
     ggml_tensor* w = g.packed(rows, type, k);
@@ -603,7 +607,8 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
     return out;
   }
   parallel_chunks(
-      out_features, min_rows_per_task(blocks.size(2)), 16, 4, [&](int64_t n0, int64_t n1) {
+      out_features, min_rows_per_task(blocks.size(2), t * n_ids / std::max<int64_t>(1, experts)),
+      16, 4, [&](int64_t n0, int64_t n1) {
         Graph g(8);
         ggml_tensor* as = g.packed(blocks.narrow(1, n0, n1 - n0), type, k);  // {K, n1 - n0, E}
         // one activation row per token ({K, 1, T}), shared by the token's experts

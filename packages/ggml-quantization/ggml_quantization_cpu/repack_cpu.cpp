@@ -85,8 +85,12 @@ struct Inverse {
     for (const auto& [row, offset] : cleared) dst[row * row_bytes + offset] = 0;
     for (const auto& r : runs) {
       uint8_t* d = dst + r.row * row_bytes + r.offset;
-      if (r.len == 8 && !r.flipped) {  // the common case: an interleaved 8-byte piece of quants
-        std::memcpy(d, unit_src + r.src, 8);
+      if (r.len == 8) {  // the common case: an interleaved 8-byte piece of quants (Q4_0's flipped)
+        uint64_t v, f;
+        std::memcpy(&v, unit_src + r.src, 8);
+        std::memcpy(&f, flip.data() + r.src, 8);
+        v ^= f;
+        std::memcpy(d, &v, 8);
       } else if (!r.flipped) {
         std::memcpy(d, unit_src + r.src, r.len);
       } else {
