@@ -360,6 +360,13 @@ void check_grid_search_range(ggml_type type, const at::Tensor& xf, const at::Ten
                     im_max);
 }
 
+// Weight bytes x activation rows from which a product's rows are cut into 4 slices per thread
+// (taken from a shared counter, for balance) instead of one: below it the slices' graphs cost more
+// than the balance wins. Qwen3.5-0.8B Q4_K_M, 2 threads, first token after 16 / 64 / 128 / 512
+// tokens: 78 / 168 / 293 / 1061 ms with 4 slices always, 69-72 / 146-160 / 259-281 / 1054-1085 ms
+// with this rule.
+constexpr int64_t kManySlicesWork = int64_t{1} << 28;
+
 // out (M, N) = x (M, K) @ W.T with ggml's mul_mat on plain packed rows: the weight's rows split
 // over torch's threads, one single-threaded graph per slice. xq: x quantized to the dot product's
 // type (undefined when it reads float32). `plain_rows(n0, n1)` gives rows [n0, n1) in the plain
@@ -368,7 +375,8 @@ template <typename PlainRows>
 void mul_mat_slices(ggml_type type, int64_t k, int64_t row_bytes, int64_t n, const at::Tensor& xf2,
                     const at::Tensor& xq, const at::Tensor& out2, const PlainRows& plain_rows) {
   const ggml_type vdt = ggml().ggml_get_type_traits_cpu(type)->vec_dot_type;
-  parallel_chunks(n, min_rows_per_task(row_bytes, xf2.size(0)), 16, 4, [&](int64_t n0, int64_t n1) {
+  const int64_t m = xf2.size(0), per_thread = n * row_bytes * m >= kManySlicesWork ? 4 : 1;
+  parallel_chunks(n, min_rows_per_task(row_bytes, m), 16, per_thread, [&](int64_t n0, int64_t n1) {
     const at::Tensor rows = plain_rows(n0, n1);
     Graph g(8);
     ggml_tensor* w = g.packed(rows, type, k);
