@@ -6,7 +6,8 @@ work), `conv1d.weight` / `conv1d.bias`, `A_log`, `dt_bias`, `norm.weight` /
 `norm.variance_epsilon`, `activation`, head counts and dims, `layer_idx`. The cache is read and
 written through transformers' own `Cache` methods, in the same order and on the same branches as
 transformers 5.22.2's forward (decode: in-place conv-state update; prefill and prefill continuing a
-cache: `update_conv_state`, then the conv over [cached columns | new tokens]).
+cache: `update_conv_state`, then the conv over [cached columns | new tokens]), except that a fresh
+cache's first states are the ops' own outputs, stored as transformers would leave them.
 
 Every step but the projections runs on this package's ops: `causal_conv1d` (ggml SSM_CONV + SiLU),
 `gates`, `gated_delta_net` (ggml GATED_DELTA_NET, q/k L2-normalised and q scaled by Dk^-0.5
@@ -65,6 +66,31 @@ def _check_cache(module: nn.Module, cache, batch_size: int) -> None:
             )
 
 
+def _first_prefill(cache, idx: int, kernel_size: int, weight: torch.Tensor) -> bool:
+    """Whether this is the cache's first prefill, of the usual kind: no conv state yet, no past being
+    recorded, and the cache's state as wide as the kernel (what transformers' cache keeps)."""
+    layer = cache.layers[idx]
+    return (
+        not layer.is_conv_states_initialized.get(0)
+        and not layer.has_previous_state.get(0)
+        and not cache.is_recording_past(idx)
+        and kernel_size == weight.shape[-1]
+    )
+
+
+def _store_first_conv_state(cache, idx: int, state: torch.Tensor) -> None:
+    """The conv's rolling state after a first prefill (the last kernel-size columns of [zeros | x],
+    as the op returns it) becomes the cache's conv state, as transformers' `update_conv_state` would
+    leave it, without its zeros, padded copy of x and copy in (~20 us a layer)."""
+    layer = cache.layers[idx]
+    if layer.device is None:
+        layer.dtype, layer.device = state.dtype, state.device
+    layer.conv_kernel_size[0] = state.shape[-1]
+    layer.conv_states[0] = state
+    layer.is_conv_states_initialized[0] = True
+    layer.has_previous_state[0] = True
+
+
 def _store_recurrent_state(cache, idx: int, state: torch.Tensor) -> None:
     """The state a prefill returned, into the cache. The first one becomes the cache's state as it
     is: transformers' `update_recurrent_state` would first allocate a zeros_like of it (fresh pages,
@@ -101,6 +127,9 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, atten
     if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(idx):
         # decode: the rolling conv state is updated in place, as transformers' causal_conv1d_update does
         mixed_qkv = ops.causal_conv1d_(mixed_qkv, weight, conv_state, bias, activation)
+    elif cache_params is not None and _first_prefill(cache_params, idx, module.conv_kernel_size, weight):
+        mixed_qkv, first_state = ops.causal_conv1d(mixed_qkv, weight, None, bias, activation)
+        _store_first_conv_state(cache_params, idx, first_state)
     else:
         if cache_params is not None:  # prefill: the cache stores the last columns, returns [cached | new]
             mixed_qkv = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=module.conv_kernel_size)
