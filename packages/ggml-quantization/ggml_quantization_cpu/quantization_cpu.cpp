@@ -72,18 +72,33 @@ void check_out_dtype(at::ScalarType dtype) {
                    "dtype must be float32, float16 or bfloat16, got ", dtype);
 }
 
-// Dequantizes packed rows `row_ids[i]` (or i when row_ids is null) into out (n, cols) float32.
-void rows_to_float(const at::Tensor& blocks, ggml_type type, int64_t cols, const int64_t* row_ids,
-                   int64_t n, float* out) {
+// Rows a dequantizing thread unpacks at a time from a repacked weight (whole groups; ~64 KiB of
+// values, the unpacked bytes stay in cache for to_float).
+int64_t rows_per_pass(int64_t cols) {
+  return std::max<int64_t>(1, (1 << 14) / cols / kRepackRows) * kRepackRows;
+}
+
+// out (n, cols) float32: packed rows `row_ids[i]` (or i when row_ids is null) of `blocks`,
+// dequantized by ggml's to_float. A repacked weight (rows of whole groups, row_ids null) is
+// unpacked a few groups at a time into a small buffer first (no unpacked copy of the whole weight).
+void dequantize_rows(const at::Tensor& blocks, ggml_type type, bool repacked, int64_t cols,
+                     const int64_t* row_ids, int64_t n, float* out) {
   const auto to_float = ggml().ggml_get_type_traits(type)->to_float;
   TORCH_CHECK(to_float != nullptr, "ggml has no dequantizer for ", type_name(type));
   const auto* base = static_cast<const uint8_t*>(blocks.data_ptr());
-  const int64_t rb = blocks.size(-1);
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / cols);
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = row_ids ? row_ids[i] : i;
-      to_float(base + r * rb, out + i * cols, cols);
+  const int64_t rb = blocks.size(-1), pass = rows_per_pass(cols);
+  at::parallel_for(0, (n + pass - 1) / pass, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> unpacked(repacked ? pass * rb : 0);
+    for (int64_t i0 = p0 * pass; i0 < std::min(n, p1 * pass); i0 += pass) {
+      const int64_t rows = std::min(pass, n - i0);
+      if (repacked)
+        ggml_quantization::unrepack_groups(type, base, rb, rb, i0 / kRepackRows,
+                                           (i0 + rows) / kRepackRows, unpacked.data());
+      for (int64_t i = 0; i < rows; ++i) {
+        const uint8_t* row =
+            repacked ? unpacked.data() + i * rb : base + (row_ids ? row_ids[i0 + i] : i0 + i) * rb;
+        to_float(row, out + (i0 + i) * cols, cols);
+      }
     }
   });
 }
@@ -646,11 +661,10 @@ at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t row
   check_packed(blocks, type, cols, "blocks");
   check_repacked_rows(blocks, st, "blocks");
   if (rows == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
-  if (st.repacked) return dequantize_cpu(plain_layout(blocks, type), type, rows, cols, dtype);
   if (is_float_type(type))
     return float_view(blocks, type, cols).to(dtype, /*non_blocking=*/false, /*copy=*/true);
   auto out = at::empty({rows, cols}, blocks.options().dtype(at::kFloat));
-  rows_to_float(blocks, type, cols, nullptr, rows, out.data_ptr<float>());
+  dequantize_rows(blocks, type, st.repacked, cols, nullptr, rows, out.data_ptr<float>());
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
@@ -674,7 +688,7 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
   const at::Tensor idx = indices.to(at::kLong).contiguous();
   if (is_float_type(type)) return float_view(blocks, type, cols).index_select(0, idx).to(dtype);
   auto out = at::empty({n, cols}, blocks.options().dtype(at::kFloat));
-  rows_to_float(blocks, type, cols, idx.data_ptr<int64_t>(), n, out.data_ptr<float>());
+  dequantize_rows(blocks, type, false, cols, idx.data_ptr<int64_t>(), n, out.data_ptr<float>());
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 

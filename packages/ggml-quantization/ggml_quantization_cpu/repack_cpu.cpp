@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <vector>
@@ -85,17 +87,7 @@ struct Inverse {
     for (const auto& [row, offset] : cleared) dst[row * row_bytes + offset] = 0;
     for (const auto& r : runs) {
       uint8_t* d = dst + r.row * row_bytes + r.offset;
-      if (r.len == 8) {  // the common case: an interleaved 8-byte piece of quants (Q4_0's flipped)
-        uint64_t v, f;
-        std::memcpy(&v, unit_src + r.src, 8);
-        std::memcpy(&f, flip.data() + r.src, 8);
-        v ^= f;
-        std::memcpy(d, &v, 8);
-      } else if (!r.flipped) {
-        std::memcpy(d, unit_src + r.src, r.len);
-      } else {
-        for (int i = 0; i < r.len; ++i) d[i] = unit_src[r.src + i] ^ flip[r.src + i];
-      }
+      for (int i = 0; i < r.len; ++i) d[i] = unit_src[r.src + i] ^ flip[r.src + i];
     }
     for (const auto& f : fields) {
       const uint8_t v = (unit_src[f.src] ^ flip[f.src]) & f.mask;
@@ -243,16 +235,73 @@ at::Tensor repack(const at::Tensor& blocks, ggml_type type, int64_t cols) {
   return out;
 }
 
+namespace {
+
+// `inv` for one row length: its 8- and 2-byte runs (all the quants and scales of the block-32
+// layouts) as straight-line moves at absolute offsets, the rest (Q4_K's and Q2_K's scale bits) as
+// `inv` applies them.
+struct UnitProgram {
+  struct Move8 {
+    int64_t dst, src;
+    uint64_t flip;
+  };
+  struct Move2 {
+    int64_t dst, src;
+  };
+  std::vector<Move8> move8;
+  std::vector<Move2> move2;
+  Inverse rest;
+
+  UnitProgram(const Inverse& inv, int64_t row_bytes) : rest(inv) {
+    rest.runs.clear();
+    for (const auto& r : inv.runs) {
+      const int64_t d = r.row * row_bytes + r.offset;
+      if (r.len == 8) {
+        uint64_t f;
+        std::memcpy(&f, inv.flip.data() + r.src, 8);
+        move8.push_back({d, r.src, f});
+      } else if (r.len == 2 && !r.flipped) {
+        move2.push_back({d, r.src});
+      } else {
+        rest.runs.push_back(r);
+      }
+    }
+  }
+
+  void apply(const uint8_t* unit_src, int64_t row_bytes, uint8_t* dst) const {
+    for (const auto& m : move8) {
+      uint64_t v;
+      std::memcpy(&v, unit_src + m.src, 8);
+      v ^= m.flip;
+      std::memcpy(dst + m.dst, &v, 8);
+    }
+    for (const auto& m : move2) std::memcpy(dst + m.dst, unit_src + m.src, 2);
+    if (!rest.runs.empty() || !rest.fields.empty()) rest.apply(unit_src, row_bytes, dst);
+  }
+};
+
+// The program of `type` for rows of row_bytes, built once per thread (get_rows and dequantize
+// unpack one group at a time).
+const UnitProgram& program_for(ggml_type type, const Inverse& inv, int64_t row_bytes) {
+  thread_local std::map<std::pair<int, int64_t>, std::unique_ptr<UnitProgram>> programs;
+  auto& program = programs[{static_cast<int>(type), row_bytes}];
+  if (!program) program = std::make_unique<UnitProgram>(inv, row_bytes);
+  return *program;
+}
+
+}  // namespace
+
 void unrepack_groups(ggml_type type, const uint8_t* repacked, int64_t stride, int64_t row_bytes,
                      int64_t g0, int64_t g1, uint8_t* dst) {
   const Inverse& inv = inverse(type);
   TORCH_CHECK(inv.valid, "ggml-kernels: no repacked layout for ", type_name(type));
+  const UnitProgram& program = program_for(type, inv, row_bytes);
   const int64_t blocks = row_bytes / inv.block_bytes;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = repacked + g * kRepackRows * stride;
     uint8_t* out = dst + (g - g0) * kRepackRows * row_bytes;
     for (int64_t x = 0; x < blocks; ++x)
-      inv.apply(group + x * inv.unit, row_bytes, out + x * inv.block_bytes);
+      program.apply(group + x * inv.unit, row_bytes, out + x * inv.block_bytes);
   }
 }
 
