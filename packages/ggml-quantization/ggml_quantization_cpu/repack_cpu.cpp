@@ -70,8 +70,8 @@ struct Inverse {
     uint16_t row, offset, src, len;
     bool flipped;
   };
-  struct Field {  // plain |= ((repacked[src] ^ flip[src]) & mask) shifted left by shift (may be <
-                  // 0)
+  // plain |= ((repacked[src] ^ flip[src]) & mask), shifted left by `shift` (right when negative)
+  struct Field {
     uint16_t row, offset, src;
     uint8_t mask;
     int8_t shift;
