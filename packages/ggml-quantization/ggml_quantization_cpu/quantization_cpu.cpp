@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -79,8 +78,8 @@ int64_t rows_per_pass(int64_t cols) {
 }
 
 // out (n, cols) float32: packed rows `row_ids[i]` (or i when row_ids is null) of `blocks`,
-// dequantized by ggml's to_float. A repacked weight (rows of whole groups, row_ids null) is
-// unpacked a few groups at a time into a small buffer first (no unpacked copy of the whole weight).
+// dequantized by ggml's to_float. A repacked weight's rows are unpacked first, without an unpacked
+// copy of the whole weight: a few groups at a time for all rows, a row's own group for row_ids.
 void dequantize_rows(const at::Tensor& blocks, ggml_type type, bool repacked, int64_t cols,
                      const int64_t* row_ids, int64_t n, float* out) {
   const auto to_float = ggml().ggml_get_type_traits(type)->to_float;
@@ -91,12 +90,19 @@ void dequantize_rows(const at::Tensor& blocks, ggml_type type, bool repacked, in
     std::vector<uint8_t> unpacked(repacked ? pass * rb : 0);
     for (int64_t i0 = p0 * pass; i0 < std::min(n, p1 * pass); i0 += pass) {
       const int64_t rows = std::min(pass, n - i0);
-      if (repacked)
+      if (repacked && !row_ids)
         ggml_quantization::unrepack_groups(type, base, rb, rb, i0 / kRepackRows,
                                            (i0 + rows) / kRepackRows, unpacked.data());
       for (int64_t i = 0; i < rows; ++i) {
-        const uint8_t* row =
-            repacked ? unpacked.data() + i * rb : base + (row_ids ? row_ids[i0 + i] : i0 + i) * rb;
+        const int64_t r = row_ids ? row_ids[i0 + i] : i0 + i;
+        const uint8_t* row = base + r * rb;
+        if (repacked && row_ids) {
+          const int64_t g = r / kRepackRows;
+          ggml_quantization::unrepack_groups(type, base, rb, rb, g, g + 1, unpacked.data());
+          row = unpacked.data() + (r % kRepackRows) * rb;
+        } else if (repacked) {
+          row = unpacked.data() + i * rb;
+        }
         to_float(row, out + (i0 + i) * cols, cols);
       }
     }
@@ -488,26 +494,6 @@ at::Tensor plain_layout(const at::Tensor& blocks, ggml_type type) {
   return plain;
 }
 
-// get_rows of a repacked weight: each index's group of rows unpacked, then its row dequantized.
-at::Tensor get_rows_repacked(const at::Tensor& blocks, const at::Tensor& indices, ggml_type type,
-                             int64_t cols, at::ScalarType dtype) {
-  const int64_t n = indices.size(0), rb = blocks.size(1);
-  const at::Tensor idx = indices.to(at::kLong).contiguous();
-  const int64_t* ids = idx.data_ptr<int64_t>();
-  auto rows = at::empty({n, rb}, blocks.options());
-  const auto* src = blocks.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    std::vector<uint8_t> group(kRepackRows * rb);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = ids[i] / kRepackRows;
-      ggml_quantization::unrepack_groups(type, src, rb, rb, g, g + 1, group.data());
-      std::memcpy(rows.data_ptr<uint8_t>() + i * rb, group.data() + (ids[i] % kRepackRows) * rb,
-                  rb);
-    }
-  });
-  return dequantize_cpu(rows, type, n, cols, dtype);
-}
-
 }  // namespace
 
 at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
@@ -684,11 +670,11 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
   check_indices(indices, blocks.size(0), "indices");
   const int64_t n = indices.size(0);
   if (n == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
-  if (st.repacked) return get_rows_repacked(blocks, indices, type, cols, dtype);
   const at::Tensor idx = indices.to(at::kLong).contiguous();
   if (is_float_type(type)) return float_view(blocks, type, cols).index_select(0, idx).to(dtype);
   auto out = at::empty({n, cols}, blocks.options().dtype(at::kFloat));
-  dequantize_rows(blocks, type, false, cols, idx.data_ptr<int64_t>(), n, out.data_ptr<float>());
+  dequantize_rows(blocks, type, st.repacked, cols, idx.data_ptr<int64_t>(), n,
+                  out.data_ptr<float>());
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
