@@ -90,7 +90,7 @@ class Graph {
 
  private:
   void run(ggml_tensor* result, int n_threads);
-  void run(const std::vector<ggml_tensor*>& results, int n_threads);
+  void run(ggml_tensor* const* results, size_t count, int n_threads);
 
   ggml_context* ctx_ = nullptr;
   std::vector<at::Tensor> keep_alive_;
