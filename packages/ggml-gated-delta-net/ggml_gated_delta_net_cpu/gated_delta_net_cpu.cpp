@@ -1,5 +1,5 @@
-// ggml-gated-delta-net on the CPU: ggml-cpu's own GATED_DELTA_NET and SSM_CONV ops (with
-// rms_norm, softplus, sigmoid, silu and swiglu around them) on views of the torch tensors.
+// ggml-gated-delta-net on the CPU: ggml-cpu's own GATED_DELTA_NET op (with rms_norm, softplus,
+// sigmoid, silu and swiglu around it) on views of the torch tensors, and SSM_CONV's arithmetic.
 //
 // gated_delta_net: one single-threaded ggml graph per slice of (sequence, value heads), the slices
 // spread over torch's threads (parallel_chunks). ggml pairs value head h with key head h % Hk
@@ -13,7 +13,8 @@
 // 1/sqrt(D); q is pre-scaled so that the result is S^T (scale * q) for the caller's scale (default
 // D^-0.5, transformers' convention).
 //
-// causal_conv1d: ggml_ssm_conv over [K-1 state columns | x], channels split over torch's threads.
+// causal_conv1d: ggml SSM_CONV's sums (+ SiLU), computed directly over blocks of channels (see
+// ConvCall), channels split over torch's threads.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -32,6 +33,7 @@ using namespace ggml_kernels;
 namespace {
 
 constexpr int64_t kHeadDims[] = {32, 64, 128};
+constexpr int64_t kMaxConvTaps = 64;  // causal_conv1d's kernel sizes (Qwen3.5 and Mamba use 4)
 
 void check_float(const at::Tensor& t, const char* name) {
   check_cpu(t, name);
@@ -105,29 +107,7 @@ class Scratch {
   size_t cap_ = 0;
 };
 
-thread_local Scratch t_dst, t_state, t_conv, t_conv_out;
-
-// src (B, cs, n), any strides and float dtype -> dst[(b * cs + c) * ld + off + t] as float32.
-void gather_rows(const at::Tensor& src, float* dst, int64_t ld, int64_t off,
-                 int64_t batch_stride = -1) {
-  const int64_t B = src.size(0), cs = src.size(1), n = src.size(2);
-  if (batch_stride < 0) batch_stride = cs * ld;
-  const int64_t sb = src.stride(0), sc = src.stride(1), st = src.stride(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "gather_rows", [&] {
-    const scalar_t* p = src.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      float* d = dst + b * batch_stride + off;
-      const scalar_t* q = p + b * sb;
-      if (sc == 1 && st != 1) {  // channels dense (x as the layer passes it): read rows of channels
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t c = 0; c < cs; ++c) d[c * ld + t] = static_cast<float>(q[t * st + c]);
-      } else {
-        for (int64_t c = 0; c < cs; ++c)
-          for (int64_t t = 0; t < n; ++t) d[c * ld + t] = static_cast<float>(q[c * sc + t * st]);
-      }
-    }
-  });
-}
+thread_local Scratch t_dst, t_state;
 
 }  // namespace
 
@@ -423,8 +403,8 @@ ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight,
   const int64_t B = x.size(0), C = x.size(1), T = x.size(2), K = weight.size(-1);
   TORCH_CHECK_VALUE(weight.size(0) == C, "weight has ", weight.size(0),
                     " channels but x (batch, channels, tokens) ", x.sizes(), " has ", C);
-  TORCH_CHECK_VALUE(K >= 1, "the kernel size must be at least 1, got weight shape ",
-                    weight.sizes());
+  TORCH_CHECK_VALUE(K >= 1 && K <= kMaxConvTaps, "the kernel size must be 1 to ", kMaxConvTaps,
+                    ", got weight shape ", weight.sizes());
   bool silu = false;
   if (activation.has_value()) {
     const std::string act(activation->data(), activation->size());
@@ -459,108 +439,164 @@ ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight,
   return {B, C, T, K, has_state ? state->size(2) : K, silu};
 }
 
-// One causal_conv1d call. ggml writes {C, T, B}: torch (B, T, C), returned as its (B, C, T)
-// transpose (what the layer transposes back). The conv's input for a block of channels, float32
-// {K - 1 + T, cs, B}, is gathered into a per-thread buffer: the last K - 1 state columns, then x.
-// Blocks are small (~256 KB of input) because ggml's loop walks all of a block's channels for every
-// token: one 2 KB-strided row per channel and token, which thrashes the TLB on a whole 6144-channel
-// prefill. Bias, SiLU and the cast to x's dtype then run once per thread's chunk, on rows of the
-// whole chunk (on a block's 16-32-wide rows SiLU costs more than the conv).
+// One causal_conv1d call, computed here rather than by ggml's SSM_CONV: ggml walks one channel's
+// strided input row per output, a scalar chain of K products each (~0.2 ms of a 16-token,
+// 6144-channel Qwen3.5 prefill on 2 threads). The same sums, in the same order (taps 0..K-1 from
+// zero, then the bias), run here over blocks of kConvBlock channels token by token: x's (B, T, C)
+// rows are read as they lie and every step is one vector operation over a block. SiLU is torch's,
+// on the whole output.
 //
-// in_place: when the conv's whole input, [last K - 1 state columns | x], is exactly the new state
-// (W == K - 1 + T: a decode step on transformers' K-wide cache), the state is rolled in place first
-// and the conv reads it as it is (`rolled_`): no gathering, no new state tensor, no copy back.
+// in_place: when the new state is the conv's whole input, [last K - 1 state columns | x]
+// (W == K - 1 + T: a decode step on transformers' K-wide cache), each range of channels is rolled
+// in place once its outputs are computed (`rolled_`): no new state tensor, no copy back.
+// x86-64: the loop below compiled for AVX-512, AVX2 and the baseline, picked when the library
+// loads.
+#if defined(__x86_64__)
+#define VECTOR_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
+#else
+#define VECTOR_CLONES
+#endif
+constexpr int64_t kConvBlock = 16;  // channels: one 64-byte line of float32
+typedef float ConvVec __attribute__((vector_size(kConvBlock * sizeof(float))));
+
+// Raw views of one causal_conv1d call's float32 operands: (B, T, C) x rows and outputs, (C, K)
+// weights, the K - 1 state columns the conv reads (any strides; null without a state), the bias.
+struct ConvOperands {
+  const float* x;
+  float* out;
+  const float* w;
+  const float* head;
+  int64_t head_sb, head_sc, head_sj;
+  const float* bias;  // null without a bias
+  int64_t C, T, K;
+};
+
+// Channels [c0, c1) of sequence b, kConvBlock at a time: out[t, c] = sum_j w[c, j] * in(t + j)[c]
+// (+ bias[c]), where in(i) is state column i for i < K - 1, then x's row i - (K - 1). A block's
+// weights and state columns are first laid out as one vector per tap / column. A block is one
+// AVX-512 register, two AVX2 ones (a 4-wide SSE2 build spills the block's sum).
+VECTOR_CLONES void conv_channels(const ConvOperands& a, int64_t b, int64_t c0, int64_t c1) {
+  const int64_t C = a.C, T = a.T, K = a.K;
+  const float* x = a.x + b * T * C;
+  float* out = a.out + b * T * C;
+  if (T == 1) {  // a decode step: one sum per channel, cheaper than laying blocks out as vectors
+    const float* head = a.head != nullptr ? a.head + b * a.head_sb : nullptr;
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* w = a.w + c * K;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < K - 1; ++j)
+        acc += w[j] * (head != nullptr ? head[c * a.head_sc + j * a.head_sj] : 0.0f);
+      acc += w[K - 1] * x[c];
+      out[c] = acc + (a.bias != nullptr ? a.bias[c] : 0.0f);
+    }
+    return;
+  }
+  for (int64_t cb = c0; cb < c1; cb += kConvBlock) {
+    const int64_t n = std::min(kConvBlock, c1 - cb);
+    ConvVec taps[kMaxConvTaps], head[kMaxConvTaps], bias = {};  // lanes past n stay zero
+    for (int64_t j = 0; j < K; ++j) taps[j] = head[j] = ConvVec{};
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t j = 0; j < K; ++j) taps[j][c] = a.w[(cb + c) * K + j];
+    if (a.head != nullptr) {
+      const float* s = a.head + b * a.head_sb + cb * a.head_sc;
+      for (int64_t c = 0; c < n; ++c)
+        for (int64_t j = 0; j < K - 1; ++j) head[j][c] = s[c * a.head_sc + j * a.head_sj];
+    }
+    if (a.bias != nullptr)
+      for (int64_t c = 0; c < n; ++c) bias[c] = a.bias[cb + c];
+    for (int64_t t = 0; t < T; ++t) {
+      ConvVec acc = {};
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t i = t + j - (K - 1);
+        ConvVec in;
+        if (i < 0) {
+          in = head[i + K - 1];
+        } else if (n == kConvBlock) {
+          std::memcpy(&in, x + i * C + cb, sizeof(in));
+        } else {  // a partial block's row, zero-padded
+          in = ConvVec{};
+          std::memcpy(&in, x + i * C + cb, static_cast<size_t>(n) * sizeof(float));
+        }
+        acc += taps[j] * in;
+      }
+      acc += bias;
+      std::memcpy(out + t * C + cb, &acc, static_cast<size_t>(n) * sizeof(float));
+    }
+  }
+}
+
 class ConvCall {
  public:
   ConvCall(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
            const std::optional<at::Tensor>& bias, bool in_place, const ConvDims& dims)
       : dims_(dims),
-        L_(dims.K - 1 + dims.T),
         in_place_(in_place),
         has_state_(state.has_value() && state->defined()),
         has_bias_(bias.has_value() && bias->defined()),
+        rolled_(in_place && dims.W == dims.K - 1 + dims.T && dims.T > 0 &&
+                state->scalar_type() == at::kFloat && state->is_contiguous()),
         x_(x),
         state_(has_state_ ? *state : at::Tensor()),
+        // (B, T, C) float32: the layer's float32 x (a transposed view of such rows) is not copied
+        rows_(x.transpose(1, 2).to(at::kFloat).contiguous()),
         w_(weight.reshape({dims.C, dims.K}).to(at::kFloat).contiguous()),
         bias_(has_bias_ ? bias->to(at::kFloat).contiguous() : at::Tensor()),
-        out_(at::empty({dims.B, dims.T, dims.C}, x.options())),
-        rolled_(in_place && dims.W == L_ && dims.T > 0 && state_.scalar_type() == at::kFloat &&
-                state_.is_contiguous()) {}
+        // the K - 1 state columns the conv reads, as float32 (a view of a float32 state)
+        head_(has_state_ && dims.K > 1
+                  ? state->narrow(2, dims.W - (dims.K - 1), dims.K - 1).to(at::kFloat)
+                  : at::Tensor()),
+        out_(at::empty({dims.B, dims.T, dims.C}, x.options().dtype(at::kFloat))) {}
 
   // (y (B, C, T), the new rolling state: `state` itself in place)
   std::tuple<at::Tensor, at::Tensor> run() {
     const auto [B, C, T, K, W, silu] = dims_;
-    if (B > 0 && T > 0 && C > 0) {
-      // Threads take at least ~16 KB of input each: a decode step's 6144 channels (4 columns) are
-      // split too, though they fit one block.
-      const int64_t min_chunk = std::max<int64_t>(16, (int64_t{1} << 12) / (L_ * B));
-      parallel_chunks(C, min_chunk, 16, 2, [&](int64_t c0, int64_t c1) { run_chunk(c0, c1); });
+    if (B > 0 && C > 0 && T > 0) {
+      const int64_t blocks = (C + kConvBlock - 1) / kConvBlock;
+      const int64_t min_blocks =
+          std::max<int64_t>(1, (int64_t{1} << 15) / (kConvBlock * B * T * K));
+      const ConvOperands operands{rows_.data_ptr<float>(),
+                                  out_.data_ptr<float>(),
+                                  w_.data_ptr<float>(),
+                                  head_.defined() ? head_.data_ptr<float>() : nullptr,
+                                  head_.defined() ? head_.stride(0) : 0,
+                                  head_.defined() ? head_.stride(1) : 0,
+                                  head_.defined() ? head_.stride(2) : 0,
+                                  has_bias_ ? bias_.data_ptr<float>() : nullptr,
+                                  C,
+                                  T,
+                                  K};
+      parallel_chunks(blocks, min_blocks, 1, 2, [&](int64_t b0, int64_t b1) {
+        const int64_t c0 = b0 * kConvBlock, c1 = std::min(C, b1 * kConvBlock);
+        for (int64_t b = 0; b < B; ++b) {
+          conv_channels(operands, b, c0, c1);
+          if (rolled_) roll_rows(b, c0, c1);
+        }
+      });
+      if (silu) at::silu_(out_);
     }
-    if (rolled_) return {out_.transpose(1, 2), state_};
+    at::Tensor y = out_.scalar_type() == x_.scalar_type() ? out_ : out_.to(x_.scalar_type());
+    y = y.transpose(1, 2);
+    if (rolled_) return {y, state_};
     const at::Tensor new_state = rolling_state();
     if (in_place_) {
       state_.copy_(new_state);
-      return {out_.transpose(1, 2), state_};
+      return {y, state_};
     }
-    return {out_.transpose(1, 2), new_state};
+    return {y, new_state};
   }
 
  private:
-  // Channels [c0, c1): the conv block by block, then bias, SiLU and the cast on the whole chunk.
-  void run_chunk(int64_t c0, int64_t c1) {
-    const auto& G = ggml();
-    const int64_t n = c1 - c0, B = dims_.B, T = dims_.T;
-    const bool out_f32 = x_.scalar_type() == at::kFloat;
-    const int64_t block = std::max<int64_t>(16, (int64_t{1} << 18) / (4 * L_ * B) / 16 * 16);
-    // float32 conv results of this chunk: straight into out, or a buffer when out is bf16/f16
-    const at::Tensor conv =
-        out_f32 ? out_.narrow(2, c0, n) : t_conv_out.tensor(B * T * n).view({B, T, n});
-    for (int64_t cb = c0; cb < c1; cb += block) {
-      const int64_t cs = std::min(block, c1 - cb);
-      const at::Tensor sx = rolled_ ? roll_state(cb, cs) : gather_input(cb, cs);
-      Graph gr(8);
-      ggml_tensor* y =
-          G.ggml_ssm_conv(gr.ctx(), gr.view(sx), gr.view(w_.narrow(0, cb, cs)));  // {cs, T, B}
-      gr.compute(y, conv.narrow(2, cb - c0, cs));
-    }
-    if (!has_bias_ && !dims_.silu && out_f32) return;
-    Graph gr(8);  // in place when out is float32 (element-wise ops)
-    ggml_tensor* y = gr.view(conv);
-    if (has_bias_) y = G.ggml_add(gr.ctx(), y, gr.view(bias_.narrow(0, c0, n)));
-    if (dims_.silu) y = G.ggml_silu(gr.ctx(), y);
-    gr.compute(as_dtype(gr, y, x_.scalar_type()), out_.narrow(2, c0, n));
-  }
-
-  // The new state [state[T:] | x] of channels [cb, cb + cs) is the conv's input: rolled in place
-  // and returned as (B, cs, W). Each W-float row moves T to the left: one memmove of the block's
-  // rows by T floats (the last T columns of each row get the next row's first ones, overwritten by
-  // x just below).
-  at::Tensor roll_state(int64_t cb, int64_t cs) const {
-    const int64_t B = dims_.B, C = dims_.C, T = dims_.T, W = dims_.W;
-    float* sp = state_.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      float* rows = sp + (b * C + cb) * W;
-      std::memmove(rows, rows + T, static_cast<size_t>(cs * W - T) * sizeof(float));
-    }
-    gather_rows(x_.narrow(1, cb, cs), sp + cb * W, W, W - T, C * W);
-    return state_.narrow(1, cb, cs);
-  }
-
-  // [last K - 1 state columns (zeros without a state) | x] of channels [cb, cb + cs) as float32
-  // (B, cs, K - 1 + T) in this thread's buffer.
-  at::Tensor gather_input(int64_t cb, int64_t cs) const {
-    const int64_t K = dims_.K, W = dims_.W;
-    const at::Tensor sx = t_conv.tensor(dims_.B * cs * L_).view({dims_.B, cs, L_});
-    float* sxp = sx.data_ptr<float>();
-    if (K > 1) {
-      if (has_state_)
-        gather_rows(state_.narrow(1, cb, cs).narrow(2, W - (K - 1), K - 1), sxp, L_, 0);
-      else  // the K - 1 leading columns of every row, without a strided torch zero_ per chunk
-        for (int64_t row = 0; row < dims_.B * cs; ++row)
-          std::memset(sxp + row * L_, 0, static_cast<size_t>(K - 1) * sizeof(float));
-    }
-    gather_rows(x_.narrow(1, cb, cs), sxp, L_, K - 1);
-    return sx;
+  // Channels [c0, c1) of sequence b of a contiguous float32 state, once their outputs are computed,
+  // become the last W = K - 1 + T columns of [state | x]: each row moves T to the left (one memmove
+  // of the range's rows: the last T columns of each row get the next row's first ones, overwritten
+  // by x just below).
+  void roll_rows(int64_t b, int64_t c0, int64_t c1) {
+    const int64_t C = dims_.C, T = dims_.T, W = dims_.W;
+    float* s = state_.data_ptr<float>() + (b * C + c0) * W;
+    std::memmove(s, s + T, static_cast<size_t>((c1 - c0) * W - T) * sizeof(float));
+    const float* x = rows_.data_ptr<float>() + b * T * C;
+    for (int64_t c = c0; c < c1; ++c, s += W)
+      for (int64_t t = 0; t < T; ++t) s[W - T + t] = x[t * C + c];
   }
 
   // The new rolling state: the last W columns of [state | x] (zeros before the first input).
@@ -582,11 +618,11 @@ class ConvCall {
   }
 
   const ConvDims dims_;
-  const int64_t L_;  // the conv's input columns
-  const bool in_place_, has_state_, has_bias_;
-  const at::Tensor x_, state_, w_, bias_;
+  const bool in_place_, has_state_, has_bias_, rolled_;
+  const at::Tensor x_;
+  at::Tensor state_;
+  const at::Tensor rows_, w_, bias_, head_;
   at::Tensor out_;
-  const bool rolled_;
 };
 
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const at::Tensor& weight,

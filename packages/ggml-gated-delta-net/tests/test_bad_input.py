@@ -94,6 +94,8 @@ def test_conv_bad_input(gdn):
         gdn.causal_conv1d(x[0], w)
     with pytest.raises(ValueError, match=r"bias must be \(channels,\)"):
         gdn.causal_conv1d(x, w, bias=torch.randn(3))
+    with pytest.raises(ValueError, match=r"the kernel size must be 1 to 64, got weight shape \[8, 1, 65\]"):
+        gdn.causal_conv1d(x, torch.randn(8, 1, 65))
 
 
 def test_small_ops_bad_input(gdn):
@@ -240,6 +242,7 @@ CONV_REFUSED = {  # overrides of a good call: x (1, 8, 5), weight (8, 1, 4), sta
     "weight (C, 2, K)": dict(weight=torch.randn(8, 2, 4)),
     "1-D weight": dict(weight=torch.randn(8)),
     "empty kernel": dict(weight=torch.randn(8, 0), state=None),
+    "kernel too long": dict(weight=torch.randn(8, 65), state=None),
     "narrow state": dict(state=torch.randn(1, 8, 2)),
     "state batch": dict(state=torch.randn(2, 8, 4)),
     "activation": dict(activation="gelu"),

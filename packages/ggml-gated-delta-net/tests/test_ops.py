@@ -321,6 +321,25 @@ def test_causal_conv1d_in_place(gdn, t, state_width, dtype):
     torch.testing.assert_close(cache.double(), ref_state, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kernel", [1, 2, 7, 64])
+@pytest.mark.parametrize("t", [1, 5, 20])
+def test_causal_conv1d_kernel_sizes_and_partial_blocks(gdn, kernel, t):
+    """Any kernel size up to the limit, on a channel count that leaves a partial block of the
+    16-channel vector loop (37 = 2 * 16 + 5); decode (t = 1) and token loops; in place on a K-wide
+    state equals the out-of-place op."""
+    gen = torch.Generator().manual_seed(kernel * 100 + t)
+    c = 37
+    x = torch.randn(2, t, c, generator=gen).transpose(1, 2)
+    w, bias = torch.randn(c, kernel, generator=gen), torch.randn(c, generator=gen)
+    state = torch.randn(2, c, kernel, generator=gen)
+    y, new_state = gdn.causal_conv1d(x, w, state, "silu", bias=bias)
+    ref_y, ref_state = gdn.reference.causal_conv1d(*as64(x, w, state), "silu", bias=bias.double())
+    assert_close_scaled(y, ref_y, CONV_TOL * max(1.0, math.sqrt(kernel / 4)))
+    torch.testing.assert_close(new_state.double(), ref_state, rtol=0, atol=0)
+    cache = state.clone()
+    assert torch.equal(gdn.causal_conv1d_(x, w, cache, "silu", bias=bias), y) and torch.equal(cache, new_state)
+
+
 def test_causal_conv1d_in_place_needs_a_state(gdn):
     x, weight = torch.randn(1, 8, 1), torch.randn(8, 4)
     with pytest.raises(ValueError, match="state must not be None"):

@@ -103,7 +103,7 @@ def causal_conv1d(
     *,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv with a rolling state, with ggml's SSM_CONV (+ SiLU). Returns
+    """Causal depthwise conv with a rolling state: ggml SSM_CONV's sums (+ SiLU), vectorised. Returns
     `(y, new_state)`; y is a `(B, C, T)` view of a `(B, T, C)` buffer (what the layer transposes
     back)."""
     return ops.causal_conv1d(x, weight, state, bias, activation)

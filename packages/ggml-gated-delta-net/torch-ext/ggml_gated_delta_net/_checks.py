@@ -15,6 +15,7 @@ from ._ggml_runtime import check_dim, check_dtype, dtype_name
 HEAD_DIMS = (32, 64, 128)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = ("silu", "swish")
+MAX_CONV_TAPS = 64  # causal_conv1d kernel sizes (Qwen3.5 and Mamba use 4); the kernel's kMaxConvTaps
 
 
 def gated_delta_net(q, k, v, g, beta, state, scale: float | None, in_place: bool) -> None:
@@ -67,8 +68,8 @@ def causal_conv1d(x, weight, state, bias, activation: str | None, in_place: bool
     kernel = weight.shape[-1]
     if weight.shape[0] != c:
         raise ValueError(f"weight has {weight.shape[0]} channels but x (batch, channels, tokens) {list(x.shape)} has {c}")
-    if kernel < 1:
-        raise ValueError(f"the kernel size must be at least 1, got weight shape {list(weight.shape)}")
+    if not 1 <= kernel <= MAX_CONV_TAPS:
+        raise ValueError(f"the kernel size must be 1 to {MAX_CONV_TAPS}, got weight shape {list(weight.shape)}")
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None, 'silu' or 'swish', got '{activation}'")
     if state is not None:

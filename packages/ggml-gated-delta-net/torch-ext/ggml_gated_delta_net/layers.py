@@ -9,7 +9,7 @@ transformers 5.22.2's forward (decode: in-place conv-state update; prefill and p
 cache: `update_conv_state`, then the conv over [cached columns | new tokens]), except that a fresh
 cache's first states are the ops' own outputs, stored as transformers would leave them.
 
-Every step but the projections runs on this package's ops: `causal_conv1d` (ggml SSM_CONV + SiLU),
+Every step but the projections runs on this package's ops: `causal_conv1d` (SSM_CONV's sums + SiLU),
 `gates`, `gated_delta_net` (ggml GATED_DELTA_NET, q/k L2-normalised and q scaled by Dk^-0.5
 inside), `gated_rms_norm`; decode steps use the in-place `causal_conv1d_` / `gated_delta_net_` on
 the cache's own state tensors.
