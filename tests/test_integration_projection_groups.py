@@ -201,3 +201,47 @@ def test_threads_keep_their_own_outputs(quant):
     torch.testing.assert_close(got["v1"], own_forward(attn.v_proj, x1), rtol=0, atol=0)
     for out, m in zip(got["other"], (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
         torch.testing.assert_close(out, own_forward(m, x2), rtol=0, atol=0)
+
+
+def real_llama_mlp(quant, act="silu"):
+    """transformers' own LlamaMLP with packed gate/up/down, as a GGUF load leaves it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP as HfLlamaMLP
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    mlp = HfLlamaMLP(LlamaConfig(hidden_size=K, intermediate_size=2 * K, hidden_act=act))
+    mlp.gate_proj, mlp.up_proj = linear(quant, 2 * K, "Q4_K", 6), linear(quant, 2 * K, "Q4_K", 7)
+    mlp.down_proj = GgufLinear(2 * K, K, quant.type_id("Q6_K"), bias=False)
+    w = torch.randn(K, 2 * K, generator=torch.Generator().manual_seed(8))
+    mlp.down_proj.weight.data = quant.quantize(w, quant.type_id("Q6_K"))
+    return mlp
+
+
+def test_gated_mlp_runs_a_decode_step_in_two_calls_bit_for_bit(quant):
+    """A SiLU-gated MLP of GATED_MLPS: its class's forward (patched through the patch set, undone
+    by restore) takes the fused path for decode rows: one group call and one mat-vec, the output
+    equal to the MLP's own forward; prefill rows and other activations take the MLP's own forward."""
+    from transformers.models.llama.modeling_llama import LlamaMLP as HfLlamaMLP
+
+    own_mlp_forward = HfLlamaMLP.forward
+    mlp, gelu_mlp = real_llama_mlp(quant), real_llama_mlp(quant, act="gelu")
+    patches = PatchSet()
+    try:
+        assert projection_groups.install(nn.ModuleList([mlp, gelu_mlp]), quant, patches) == 2
+        assert HfLlamaMLP.forward is not own_mlp_forward
+        assert projection_groups.MLP_ATTR in mlp.__dict__ and projection_groups.MLP_ATTR not in gelu_mlp.__dict__
+        with torch.inference_mode():
+            for rows in (1, 3):
+                x = torch.randn(rows, 1, K)
+                got = []
+                calls = our_calls(lambda x=x: got.append(mlp(x)))
+                assert calls == {"mul_mat_group": 1, "mul_mat_vec": 1}
+                torch.testing.assert_close(got[0], own_mlp_forward(mlp, x), rtol=0, atol=0)
+            x = torch.randn(1, 16, K)  # prefill rows: the MLP's own forward
+            calls = our_calls(lambda: mlp(x))
+            assert "mul_mat_group" not in calls
+            torch.testing.assert_close(mlp(x), own_mlp_forward(mlp, x), rtol=0, atol=0)
+            assert "mul_mat_vec" in our_calls(lambda: gelu_mlp(torch.randn(1, 1, K)))
+    finally:
+        patches.restore()
+    assert HfLlamaMLP.forward is own_mlp_forward

@@ -171,7 +171,7 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
     _route_cpu_reads_through_kernels(patches, quant)
     projection_groups.patch_forward(patches, quant)
     patches.on_restore(functools.partial(repacking.unpack_all, quant), "repacked weights back to the GGUF layout")
-    steps = [functools.partial(_repack_if_asked, quant=quant), functools.partial(projection_groups.install, quant=quant),
+    steps = [functools.partial(_repack_if_asked, quant=quant), functools.partial(projection_groups.install, quant=quant, patches=patches),
              _return_freed_memory]
     if report_loads:
         steps.append(_log_summary)
