@@ -206,8 +206,8 @@ def test_threads_keep_their_own_outputs(quant):
 def real_llama_mlp(quant, act="silu"):
     """transformers' own LlamaMLP with packed gate/up/down, as a GGUF load leaves it."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP as HfLlamaMLP
     from transformers.integrations.gguf.utils import GgufLinear
+    from transformers.models.llama.modeling_llama import LlamaMLP as HfLlamaMLP
 
     mlp = HfLlamaMLP(LlamaConfig(hidden_size=K, intermediate_size=2 * K, hidden_act=act))
     mlp.gate_proj, mlp.up_proj = linear(quant, 2 * K, "Q4_K", 6), linear(quant, 2 * K, "Q4_K", 7)
