@@ -234,7 +234,7 @@ def test_gated_mlp_runs_a_decode_step_in_two_calls_bit_for_bit(quant):
             for rows in (1, 3):
                 x = torch.randn(rows, 1, K)
                 got = []
-                calls = our_calls(lambda x=x: got.append(mlp(x)))
+                calls = our_calls(lambda x=x, got=got: got.append(mlp(x)))
                 assert calls == {"mul_mat_group": 1, "mul_mat_vec": 1}
                 torch.testing.assert_close(got[0], own_mlp_forward(mlp, x), rtol=0, atol=0)
             x = torch.randn(1, 16, K)  # prefill rows: the MLP's own forward
