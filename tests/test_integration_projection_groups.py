@@ -245,3 +245,16 @@ def test_gated_mlp_runs_a_decode_step_in_two_calls_bit_for_bit(quant):
     finally:
         patches.restore()
     assert HfLlamaMLP.forward is own_mlp_forward
+
+
+def test_permuted_input_runs_the_op_directly(quant):
+    """A decode step of an ungrouped linear with an input permutation (Qwen3.5's out_proj): the
+    permutation applied, then the kernel's mat-vec: what transformers' own forward computes."""
+    module = linear(quant, 64, "Q4_K", 10)
+    module.input_permutation = torch.randperm(K, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(1, 1, K)
+    with torch.inference_mode():
+        got = []
+        calls = our_calls(lambda: got.append(module(x)))
+        torch.testing.assert_close(got[0], own_forward(module, x), rtol=0, atol=0)
+    assert calls == {"mul_mat_vec": 1}

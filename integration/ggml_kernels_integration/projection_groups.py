@@ -192,8 +192,9 @@ def install(model, quant, patches=None) -> int:
 
 def patch_forward(patches, quant) -> None:
     """Make `GgufLinear.forward` ask its group first, and run a CPU decode step of an ungrouped module
-    on the kernel op directly: the same op transformers' forward reaches through three Python
-    wrappers (its `mul_mat_vec`, the resolved kernel's, the package's). Through `patches` (a `PatchSet`)."""
+    without a bias on the kernel op directly (its input permutation applied first, as transformers
+    does): the same op transformers' forward reaches through three Python wrappers (its
+    `mul_mat_vec`, the resolved kernel's, the package's). Through `patches` (a `PatchSet`)."""
     from transformers.integrations.gguf.kernels import MAX_GEMV_ROWS
     from transformers.integrations.gguf.utils import GgufLinear
 
@@ -216,9 +217,11 @@ def patch_forward(patches, quant) -> None:
             and x.is_cpu
             and x.size(-1) == in_features
             and x.numel() <= MAX_GEMV_ROWS * in_features
-            and self.bias is None
-            and self._buffers.get("input_permutation") is None
+            and self._parameters.get("bias") is None
         ):
+            permutation = self._buffers.get("input_permutation")  # e.g. Qwen3.5's value-head order
+            if permutation is not None:
+                x = x.index_select(-1, permutation)
             return mul_mat_vec(self._parameters["weight"], x, self.ggml_type, self.out_features)  # (..., N)
         return original(self, x)
 
