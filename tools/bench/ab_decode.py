@@ -14,7 +14,10 @@ Features:
     kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat
     rotary    ggml-attn's RotaryPosEmb vs transformers' apply_rotary_pos_emb (Llama-family files)
     linear    ggml_kernels_integration.projection_groups' GgufLinear.forward (sibling projections in
-              one mul_mat_group call, other decode linears on the op directly) vs transformers' own
+              one mul_mat_group call, other decode linears on the op directly) and gated MLPs vs
+              transformers' own
+    gated-mlp the gated MLPs' fused decode path (projection_groups.GatedMLP) vs the MLP's forward
+              over the (grouped) linears
     dense-prefill
               ggml_kernels_integration.dense_prefill (block-32 weights: ggml's dequantize + a
               bfloat16 GEMM for 32-64+ rows) vs ggml-quantization's mul_mat for every prefill matmul
@@ -58,6 +61,23 @@ def _switch_rotary(model):
     return use
 
 
+def _switch_gated_mlp(model):
+    from ggml_kernels_integration import projection_groups
+
+    fused = {m: m.__dict__[projection_groups.MLP_ATTR] for m in model.modules() if projection_groups.MLP_ATTR in m.__dict__}
+    if not fused:
+        raise SystemExit("no gated MLP fast paths were installed on this model")
+
+    def use(on: bool) -> None:
+        for module, path in fused.items():
+            if on:
+                module.__dict__[projection_groups.MLP_ATTR] = path
+            else:
+                module.__dict__.pop(projection_groups.MLP_ATTR, None)
+
+    return use
+
+
 def _switch_linear(model):
     import ggml_kernels_integration as gk
     from ggml_kernels_integration import projection_groups
@@ -66,9 +86,12 @@ def _switch_linear(model):
     ours, theirs = GgufLinear.forward, gk.original(GgufLinear, "forward")
     if not any(projection_groups.GROUP_ATTR in m.__dict__ for m in model.modules()):
         raise SystemExit("no projection groups were installed on this model")
+    mlps = _switch_gated_mlp(model) if any(projection_groups.MLP_ATTR in m.__dict__ for m in model.modules()) else None
 
     def use(on: bool) -> None:
         GgufLinear.forward = ours if on else theirs
+        if mlps is not None:
+            mlps(on)
 
     return use
 
@@ -100,7 +123,7 @@ def _switch_repack_weights(model):
     return use
 
 
-FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear,
+FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
             "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights}
 
 
