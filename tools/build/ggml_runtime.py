@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tools import REPO
 
+from . import metal_runtime, sanitize, upstream
 from . import ninja_build as ninja
-from . import sanitize, upstream
 
 COMMON = REPO / "common"
 
@@ -141,6 +141,8 @@ def build(jobs: int | None = None) -> Path:
         n.build(lib, "link", base_objs + cpu_objs + compat_objs,
                 variables={"ldflags": ninja.quote(ldflags + [f"-Wl,-soname,{lib.name}"])})
         libs.append(lib)
+    metal_runtime.add_to(n, out=out, src=src, flags=common_flags + defs + includes, base_objs=base_objs,
+                         compat_objs=compat_objs, ldflags=ldflags)
     n.write(out / "build.ninja")
     ninja.run(out, jobs)
     return out

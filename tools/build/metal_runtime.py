@@ -1,0 +1,87 @@
+"""The Metal runtime for Linux: upstream's Metal host code, compiled unmodified, over our device layer.
+
+ggml's Metal backend is C++ host code (ggml-metal.cpp: the ggml-backend interface; -ops.cpp: one
+encoder per op; -device.cpp: pipeline names and function constants; -common.cpp, -fusion.cpp,
+-tuning.cpp) over a device layer upstream writes in Objective-C (ggml-metal-device.m,
+ggml-metal-context.m). This builds `libggml-kernels-metal-emu.so` in the runtime cache from:
+- ggml-base and upstream's six C++ host files, as fetched (nothing edited, nothing committed);
+- `supports_op` (and its mul_mat helper), cut at build time out of ggml-metal-device.m, where it is
+  plain C between two markers: the build fails, naming them, if they are not found exactly once;
+- our device layer (common/metal/): the functions of ggml-metal-device.h and ggml-metal-context.h
+  the host code calls, with no Apple type, over an executor that receives each dispatch.
+
+`ggml_backend_metal_init()` of this library is upstream's Metal backend: every kernel choice, grid,
+function constant and threadgroup memory size comes from upstream's code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools import REPO
+
+from . import ninja_build as ninja
+
+LIBRARY = "libggml-kernels-metal-emu.so"
+HOST_SOURCES = [
+    "ggml-metal/ggml-metal.cpp", "ggml-metal/ggml-metal-ops.cpp", "ggml-metal/ggml-metal-device.cpp",
+    "ggml-metal/ggml-metal-common.cpp", "ggml-metal/ggml-metal-fusion.cpp", "ggml-metal/ggml-metal-tuning.cpp",
+]
+# ours, staged into the cache (the compile commands name no path of the checkout)
+DEVICE_FILES = ["metal_emu.h", "metal_device.cpp", "metal_context.cpp"]
+# supports_op in ggml-metal-device.m: from its mul_mat helper to the end of the entry point
+SLICE_START = "static bool ggml_metal_supports_mul_mat_op("
+SLICE_ENTRY = "bool ggml_metal_device_supports_op(ggml_metal_device_t dev, const struct ggml_tensor * op) {"
+SLICE_PRELUDE = (
+    "// Cut from upstream's ggml-metal-device.m at build time by tools/build/metal_runtime.py.\n"
+    '#include "metal_emu.h"\n#include "ggml-metal-common.h"\n#include "ggml-metal-impl.h"\n#include "ggml-impl.h"\n\n'
+)
+
+
+def slice_supports_op(objc: str) -> str:
+    """The plain-C `supports_op` block of ggml-metal-device.m, as a C++ translation unit."""
+    lines = objc.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(SLICE_START)]
+    entries = [i for i, line in enumerate(lines) if line.startswith(SLICE_ENTRY)]
+    if len(starts) != 1 or len(entries) != 1 or starts[0] > entries[0]:
+        raise ValueError(
+            "ggml-metal-device.m changed: expected one line starting with each of "
+            f"{SLICE_START!r} ({len(starts)} found) and {SLICE_ENTRY!r} ({len(entries)} found), in that order; "
+            "update tools/build/metal_runtime.py's markers for the new pin"
+        )
+    end = next((i for i in range(entries[0], len(lines)) if lines[i] == "}"), None)
+    if end is None:
+        raise ValueError("ggml-metal-device.m changed: no closing brace after ggml_metal_device_supports_op")
+    return SLICE_PRELUDE + "\n".join(lines[starts[0] : end + 1]) + "\n"
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def add_to(n: ninja.NinjaFile, *, out: Path, src: Path, flags: list[str], base_objs: list[Path],
+           compat_objs: list[Path], ldflags: list[str]) -> Path:
+    """Add the library's compile and link steps to the runtime's ninja file; returns its path."""
+    staged = out / "common" / "metal"
+    staged.mkdir(parents=True, exist_ok=True)
+    for name in DEVICE_FILES:
+        _write_if_changed(staged / name, (REPO / "common" / "metal" / name).read_text())
+    gen = out / "gen"
+    gen.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(gen / "metal_supports_op.cpp", slice_supports_op((src / "ggml-metal" / "ggml-metal-device.m").read_text()))
+
+    # ggml-metal.cpp uses std::unique_ptr without including <memory> (libc++ includes it transitively)
+    metal_flags = flags + [f"-I{src / 'ggml-metal'}", f"-I{staged}", "-include", "memory"]
+    objs = []
+    for s in HOST_SOURCES:
+        obj = out / "obj" / "metal" / (Path(s).name + ".o")
+        n.build(obj, "cxx", src / s, variables={"flags": ninja.quote(metal_flags)})
+        objs.append(obj)
+    for path in [staged / "metal_device.cpp", staged / "metal_context.cpp", gen / "metal_supports_op.cpp"]:
+        obj = out / "obj" / "metal" / (path.name + ".o")
+        n.build(obj, "cxx", path, implicit=[staged / "metal_emu.h"], variables={"flags": ninja.quote(metal_flags)})
+        objs.append(obj)
+    lib = out / LIBRARY
+    n.build(lib, "link", base_objs + objs + compat_objs, variables={"ldflags": ninja.quote(ldflags + [f"-Wl,-soname,{LIBRARY}"])})
+    return lib
