@@ -1,8 +1,9 @@
 """Upstream's Metal host code on Linux (tools/build/metal_runtime.py, common/metal/): the library
 builds from the pinned sources, `ggml_backend_metal_init()` is upstream's backend over our device
 layer, and what it encodes for a graph (kernel, pipeline with its function constants, grid,
-threadgroup memory, bindings) is upstream's choice. The dispatches are recorded, not yet executed
-(the emulated device that runs the translated shaders comes next), so no test here compares values.
+threadgroup memory, bindings) is upstream's choice. Kernels of the files translated so far
+(metal_translate.KERNEL_FILES) run on the emulated device and are checked against numpy; the
+choice tests only log dispatches (execute=False), so they cover kernels not translated yet.
 
 The expected kernel names and grids are facts of the pinned ggml (b11312)'s ggml-metal-ops.cpp:
 Q4_K products take `kernel_mul_mv_*` for 1-3 rows, `kernel_mul_mv_ext_*_r1_<rows per group>` for
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 from tools.build import metal_runtime
@@ -28,7 +30,7 @@ def host():
 
 
 def product(host, weight_type, k, n, rows):
-    return host.compute(lambda g: g.mul_mat(g.tensor(weight_type, k, n), g.tensor(F32, k, rows)))
+    return host.compute(lambda g: g.mul_mat(g.tensor(weight_type, k, n), g.tensor(F32, k, rows)), execute=False)
 
 
 def test_the_backend_is_upstreams_metal_backend_on_our_device(host):
@@ -65,7 +67,7 @@ def test_a_dispatch_binds_the_arguments_upstream_sets(host):
 
 
 def test_rms_norm_and_a_multiply_dispatch_in_graph_order(host):
-    found = host.compute(lambda g: g.mul(g.rms_norm(g.tensor(F32, 1024, 3)), g.tensor(F32, 1024, 1)))
+    found = host.compute(lambda g: g.mul(g.rms_norm(g.tensor(F32, 1024, 3)), g.tensor(F32, 1024, 1)), execute=False)
     kernels = [d["kernel"] for d in found.dispatches]
     # upstream fuses rms_norm + mul into one kernel (ggml-metal-fusion.cpp) unless fusion is off
     assert kernels in (["kernel_rms_norm_mul_f32_4"], ["kernel_rms_norm_f32_4", "kernel_bin_fuse_f32_f32_f32"]), kernels
@@ -101,3 +103,61 @@ def test_the_supports_op_cut_fails_loudly_when_upstream_moves_its_markers():
     assert metal_runtime.slice_supports_op(text).endswith("    return false;\n}\n")
     with pytest.raises(ValueError, match="ggml-metal-device.m changed"):
         metal_runtime.slice_supports_op(text.replace(metal_runtime.SLICE_ENTRY, "bool renamed(void) {"))
+
+
+# ---- the emulated device: upstream's kernels translated to C++ and run, each GPU thread a fiber ----
+# Values against float64 numpy: a row's sum of squares is reduced in float32 by 32-lane SIMD sums and a
+# threadgroup sum (~log2(n) roundings), so 1e-6 relative to the row's scale bounds it with a margin
+# (observed ~2e-7). The two lane schedules must agree bit for bit.
+
+
+def rms_norm_ref(x, eps):
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps)
+
+
+def ran(host, build, reverse_lanes=False):
+    found = host.compute(build, reverse_lanes=reverse_lanes)
+    assert found.supported and found.error == "", found.error
+    return found
+
+
+@pytest.mark.parametrize("cols,kernel", [(1024, "kernel_rms_norm_f32_4"), (1023, "kernel_rms_norm_f32"), (40, "kernel_rms_norm_f32_4")])
+def test_rms_norm_runs_upstreams_kernel_on_the_emulated_device(host, cols, kernel):
+    x = np.random.default_rng(cols).standard_normal((3, cols)).astype(np.float32)
+
+    def build(g):
+        return g.rms_norm(g.input(F32, x.tobytes(), cols, 3), 1e-6)
+
+    forward, reverse = ran(host, build), ran(host, build, reverse_lanes=True)
+    assert [d["kernel"] for d in forward.dispatches] == [kernel]
+    y = np.frombuffer(forward.output, np.float32).reshape(3, cols)
+    np.testing.assert_allclose(y, rms_norm_ref(x, 1e-6), rtol=0, atol=1e-6 * np.abs(rms_norm_ref(x, 1e-6)).max())
+    assert forward.output == reverse.output  # no reliance on lock-step lanes
+
+
+def test_rms_norm_times_a_weight_runs_fused(host):
+    """ggml's rms_norm then mul: upstream's fusion table makes one kernel of it, whose function
+    constant (FC_norm_use_scale = false) selects the weight over a scalar scale."""
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    w = np.random.default_rng(2).standard_normal(256).astype(np.float32)
+    found = ran(host, lambda g: g.mul(g.rms_norm(g.input(F32, x.tobytes(), 256, 2), 1e-5), g.input(F32, w.tobytes(), 256)))
+    assert [d["kernel"] for d in found.dispatches] == ["kernel_rms_norm_mul_f32_4"]
+    y = np.frombuffer(found.output, np.float32).reshape(2, 256)
+    ref = rms_norm_ref(x, 1e-5) * w
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+def test_l2_norm_runs_on_the_emulated_device(host):
+    x = np.random.default_rng(3).standard_normal((4, 128)).astype(np.float32)
+    found = ran(host, lambda g: g.l2_norm(g.input(F32, x.tobytes(), 128, 4), 1e-6))
+    assert [d["kernel"] for d in found.dispatches] == ["kernel_l2_norm_f32_f32_4"]
+    y = np.frombuffer(found.output, np.float32).reshape(4, 128)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.maximum(np.sqrt((x64**2).sum(-1, keepdims=True)), 1e-6)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-6)
+
+
+def test_a_kernel_not_translated_yet_is_an_error_not_a_crash(host):
+    found = host.compute(lambda g: g.mul_mat(g.tensor(Q4_K, 256, 32), g.tensor(F32, 256, 1)))
+    assert found.supported and "kernel_mul_mv_q4_K_f32 is not translated yet" in found.error

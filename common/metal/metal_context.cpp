@@ -2,10 +2,13 @@
 // queues): a graph is encoded by upstream's ggml_metal_op_* into one command buffer whose
 // dispatches go to the executor, in order. Transfers are synchronous copies into the buffers' host
 // memory. Plus the dispatch log's C API.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
+#include "emu_runtime.h"
 #include "ggml-impl.h"
 #include "ggml-metal-common.h"
 #include "ggml-metal-context.h"
@@ -14,6 +17,27 @@
 #include "metal_emu.h"
 
 using namespace ggml_kernels::metal;
+
+namespace {
+
+thread_local std::string t_last_error;
+std::atomic<bool> g_execute{true};
+
+// Logs every dispatch, then runs it on the emulated device unless only logging was asked for.
+class LoggingExecutor : public Executor {
+ public:
+  void dispatch(const Dispatch& d) override {
+    DispatchLog::instance().dispatch(d);
+    if (g_execute.load()) run_dispatch(d);
+  }
+};
+
+}  // namespace
+
+namespace ggml_kernels::metal {
+void set_execute(bool execute) { g_execute.store(execute); }
+bool execute() { return g_execute.load(); }
+}  // namespace ggml_kernels::metal
 
 struct ggml_metal {
   ggml_metal_device_t dev = nullptr;
@@ -117,17 +141,23 @@ bool ggml_metal_cpy_tensor_async(ggml_metal_t, ggml_metal_t, const struct ggml_t
 }
 
 enum ggml_status ggml_metal_graph_compute(ggml_metal_t ctx, struct ggml_cgraph* gf) {
-  ggml_metal_command_buffer cmd_buf{&DispatchLog::instance()};
+  t_last_error.clear();
+  LoggingExecutor executor;
+  ggml_metal_command_buffer cmd_buf{&executor};
   ggml_metal_op_t op =
       ggml_metal_op_init(ctx->dev, &cmd_buf, gf, ggml_metal_device_get_fusion_info(ctx->dev), 0,
                          ggml_graph_n_nodes(gf), ctx->use_concurrency, false, ctx->debug_graph);
-  for (int idx = 0; idx < ggml_metal_op_n_nodes(op);) {
-    const int consumed = ggml_metal_op_encode(op, idx);
-    if (consumed == 0) break;
-    idx += consumed;
+  try {
+    for (int idx = 0; idx < ggml_metal_op_n_nodes(op);) {
+      const int consumed = ggml_metal_op_encode(op, idx);
+      if (consumed == 0) break;
+      idx += consumed;
+    }
+  } catch (const std::exception& e) {
+    t_last_error = e.what();
   }
   ggml_metal_op_free(op);
-  return GGML_STATUS_SUCCESS;
+  return t_last_error.empty() ? GGML_STATUS_SUCCESS : GGML_STATUS_FAILED;
 }
 
 void ggml_metal_graph_optimize(ggml_metal_t ctx, struct ggml_cgraph* gf) {
@@ -160,5 +190,13 @@ size_t gk_metal_dispatches_json(char* out, size_t capacity) {
 }
 
 void gk_metal_dispatches_reset(void) { DispatchLog::instance().reset(); }
+
+void gk_metal_set_execute(int execute) { set_execute(execute != 0); }
+
+const char* gk_metal_last_error(void) { return t_last_error.c_str(); }
+
+void gk_metal_set_lane_schedule(int reverse) {
+  emu::set_schedule(reverse ? emu::Schedule::Reverse : emu::Schedule::Forward);
+}
 
 }  // extern "C"

@@ -95,6 +95,14 @@ ggml_metal_buffer* find_buffer(uintptr_t addr, size_t size) {
   return addr - buf->base + size <= buf->size ? buf : nullptr;
 }
 
+ggml_metal_buffer* find_buffer_by_id(uint64_t id) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& [base, buf] : r.by_base)
+    if (buf->id == id) return buf;
+  return nullptr;
+}
+
 uint8_t* host_address(ggml_metal_buffer* buf, uintptr_t addr, size_t size) {
   if (addr < buf->base || addr - buf->base + size > buf->size) {
     throw std::out_of_range("ggml-kernels Metal: an access outside its device buffer");

@@ -111,6 +111,12 @@ struct ggml_metal_buffer {
 namespace ggml_kernels::metal {
 // The buffer holding virtual address `addr` (for `size` bytes), or nullptr.
 ggml_metal_buffer* find_buffer(uintptr_t addr, size_t size);
+ggml_metal_buffer* find_buffer_by_id(uint64_t id);
+// Runs a dispatch on the emulated device (emu_executor.cpp); throws std::runtime_error.
+void run_dispatch(const Dispatch& d);
+// Whether dispatches run on the emulated device after being logged (default) or are only logged.
+void set_execute(bool execute);
+bool execute();
 // Host memory behind a virtual address range of a buffer; throws when out of its range.
 uint8_t* host_address(ggml_metal_buffer* buf, uintptr_t addr, size_t size);
 }  // namespace ggml_kernels::metal
@@ -126,4 +132,11 @@ extern "C" {
 // NUL-terminated); returns the length the full text needs (excluding the NUL).
 __attribute__((visibility("default"))) size_t gk_metal_dispatches_json(char* out, size_t capacity);
 __attribute__((visibility("default"))) void gk_metal_dispatches_reset(void);
+// 1: dispatches run on the emulated device (default); 0: they are only logged (to see upstream's
+// choices for kernels not translated yet).
+__attribute__((visibility("default"))) void gk_metal_set_execute(int execute);
+// The message of the last failed graph compute on this thread ("" when none).
+__attribute__((visibility("default"))) const char* gk_metal_last_error(void);
+// 0: resume lanes in forward order within SIMD groups, 1: in reverse (emu_runtime.h).
+__attribute__((visibility("default"))) void gk_metal_set_lane_schedule(int reverse);
 }

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tools import REPO
 
+from . import metal_translate
 from . import ninja_build as ninja
 
 LIBRARY = "libggml-kernels-metal-emu.so"
@@ -28,7 +29,10 @@ HOST_SOURCES = [
     "ggml-metal/ggml-metal-common.cpp", "ggml-metal/ggml-metal-fusion.cpp", "ggml-metal/ggml-metal-tuning.cpp",
 ]
 # ours, staged into the cache (the compile commands name no path of the checkout)
-DEVICE_FILES = ["metal_emu.h", "metal_device.cpp", "metal_context.cpp"]
+DEVICE_FILES = ["metal_emu.h", "metal_device.cpp", "metal_context.cpp", "emu_runtime.h", "emu_runtime.cpp",
+                "emu_executor.cpp", "msl.h"]
+DEVICE_SOURCES = [f for f in DEVICE_FILES if f.endswith(".cpp")]
+HEADERS = [f for f in DEVICE_FILES if f.endswith(".h")]
 # supports_op in ggml-metal-device.m: from its mul_mat helper to the end of the entry point
 SLICE_START = "static bool ggml_metal_supports_mul_mat_op("
 SLICE_ENTRY = "bool ggml_metal_device_supports_op(ggml_metal_device_t dev, const struct ggml_tensor * op) {"
@@ -60,6 +64,27 @@ def _write_if_changed(path: Path, text: str) -> None:
         path.write_text(text)
 
 
+def _kernel_objects(n: ninja.NinjaFile, *, out: Path, src: Path, staged: Path, flags: list[str],
+                    headers: list[Path]) -> list[Path]:
+    """Upstream's kernel files, translated (metal_translate) and compiled against msl.h."""
+    kernels_dir = src / "ggml-metal" / "kernels"
+    include = out / "gen" / "msl-include"  # `#include <metal_stdlib>` is the shim
+    include.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(include / "metal_stdlib", '#include "msl.h"\n')
+    translated = out / "gen" / "metal-kernels"
+    translated.mkdir(parents=True, exist_ok=True)
+    # the kernels' own folder first: their "common.h" is not ggml-cpu's
+    kernel_flags = [f"-I{kernels_dir}", f"-I{include}", f"-I{staged}", f"-I{src / 'ggml-metal'}"] + flags
+    objs = []
+    for name in metal_translate.KERNEL_FILES:
+        cpp = translated / (Path(name).stem + ".cpp")
+        _write_if_changed(cpp, metal_translate.translate((kernels_dir / name).read_text(), name))
+        obj = out / "obj" / "metal-kernels" / (cpp.name + ".o")
+        n.build(obj, "cxx", cpp, implicit=headers, variables={"flags": ninja.quote(kernel_flags)})
+        objs.append(obj)
+    return objs
+
+
 def add_to(n: ninja.NinjaFile, *, out: Path, src: Path, flags: list[str], base_objs: list[Path],
            compat_objs: list[Path], ldflags: list[str]) -> Path:
     """Add the library's compile and link steps to the runtime's ninja file; returns its path."""
@@ -73,15 +98,17 @@ def add_to(n: ninja.NinjaFile, *, out: Path, src: Path, flags: list[str], base_o
 
     # ggml-metal.cpp uses std::unique_ptr without including <memory> (libc++ includes it transitively)
     metal_flags = flags + [f"-I{src / 'ggml-metal'}", f"-I{staged}", "-include", "memory"]
+    headers = [staged / h for h in HEADERS]
     objs = []
     for s in HOST_SOURCES:
         obj = out / "obj" / "metal" / (Path(s).name + ".o")
         n.build(obj, "cxx", src / s, variables={"flags": ninja.quote(metal_flags)})
         objs.append(obj)
-    for path in [staged / "metal_device.cpp", staged / "metal_context.cpp", gen / "metal_supports_op.cpp"]:
+    for path in [*(staged / f for f in DEVICE_SOURCES), gen / "metal_supports_op.cpp"]:
         obj = out / "obj" / "metal" / (path.name + ".o")
-        n.build(obj, "cxx", path, implicit=[staged / "metal_emu.h"], variables={"flags": ninja.quote(metal_flags)})
+        n.build(obj, "cxx", path, implicit=headers, variables={"flags": ninja.quote(metal_flags)})
         objs.append(obj)
+    objs += _kernel_objects(n, out=out, src=src, staged=staged, flags=flags, headers=headers)
     lib = out / LIBRARY
     n.build(lib, "link", base_objs + objs + compat_objs, variables={"ldflags": ninja.quote(ldflags + [f"-Wl,-soname,{LIBRARY}"])})
     return lib

@@ -5,8 +5,11 @@ this module builds one-op ggml graphs in a Metal buffer with ggml's C API, compu
 `ggml_backend_metal_init()`'s backend, and returns the dispatches upstream's host code encoded:
 
     host = MetalHost()
-    found = host.compute(lambda g: g.mul_mat(g.tensor(12, 4096, 4096), g.tensor(0, 4096, 12)))
+    found = host.compute(lambda g: g.mul_mat(g.tensor(12, 4096, 4096), g.tensor(0, 4096, 12)), execute=False)
     found.supported, [d["kernel"] for d in found.dispatches]   # True, ['kernel_mul_mm_q4_K_f32']
+    x = np.random.randn(3, 1024).astype(np.float32)
+    ran = host.compute(lambda g: g.rms_norm(g.input(0, x.tobytes(), 1024, 3)))   # on the emulated device
+    np.frombuffer(ran.output, np.float32)                                          # x / rms(x)
 
 A failed assertion in upstream's code aborts the process: tests that could reach one run the call in
 a fresh process.
@@ -34,6 +37,7 @@ _SIGNATURES = {  # name -> (restype, argtypes), as ggml.h / ggml-backend.h / ggm
     "ggml_mul_mat": (_P, [_P, _P, _P]),
     "ggml_mul": (_P, [_P, _P, _P]),
     "ggml_rms_norm": (_P, [_P, _P, ctypes.c_float]),
+    "ggml_l2_norm": (_P, [_P, _P, ctypes.c_float]),
     "ggml_new_graph": (_P, [_P]),
     "ggml_build_forward_expand": (None, [_P, _P]),
     "ggml_backend_metal_init": (_P, []),
@@ -47,6 +51,9 @@ _SIGNATURES = {  # name -> (restype, argtypes), as ggml.h / ggml-backend.h / ggm
     "ggml_backend_free": (None, [_P]),
     "gk_metal_dispatches_json": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
     "gk_metal_dispatches_reset": (None, []),
+    "gk_metal_set_execute": (None, [ctypes.c_int]),
+    "gk_metal_last_error": (ctypes.c_char_p, []),
+    "gk_metal_set_lane_schedule": (None, [ctypes.c_int]),
 }
 
 
@@ -58,6 +65,8 @@ def library_path():
 class Computed:
     supported: bool  # upstream's supports_op for the graph's output
     dispatches: list[dict]  # what upstream's host code encoded (see metal_emu.h's Dispatch)
+    error: str = ""  # why the emulated device failed ("" when it ran, or only logged)
+    output: bytes = b""  # the output tensor's bytes, when the dispatches ran
 
 
 class Graph:
@@ -66,6 +75,12 @@ class Graph:
     def __init__(self, lib):
         self.lib = lib
         self.ctx = lib.ggml_init(_InitParams(1 << 20, None, True))
+        self.inputs: dict[int, bytes] = {}  # tensor -> bytes set once allocated
+
+    def input(self, type_id: int, data: bytes, *ne: int):
+        t = self.tensor(type_id, *ne)
+        self.inputs[t] = bytes(data)
+        return t
 
     def tensor(self, type_id: int, *ne: int):
         fn = {1: self.lib.ggml_new_tensor_1d, 2: self.lib.ggml_new_tensor_2d, 3: self.lib.ggml_new_tensor_3d}[len(ne)]
@@ -76,6 +91,9 @@ class Graph:
 
     def rms_norm(self, x, eps: float = 1e-6):
         return self.lib.ggml_rms_norm(self.ctx, x, eps)
+
+    def l2_norm(self, x, eps: float = 1e-6):
+        return self.lib.ggml_l2_norm(self.ctx, x, eps)
 
     def mul(self, a, b):
         return self.lib.ggml_mul(self.ctx, a, b)
@@ -100,9 +118,10 @@ class MetalHost:
         self.lib.gk_metal_dispatches_json(text, size + 1)
         return json.loads(text.value)
 
-    def compute(self, build: Callable[[Graph], object], inputs: dict | None = None) -> Computed:
-        """Build `build(graph)`'s output, allocate every tensor in a Metal buffer, set `inputs`
-        (tensor -> bytes), and compute it if upstream supports it."""
+    def compute(self, build: Callable[[Graph], object], *, execute: bool = True, reverse_lanes: bool = False) -> Computed:
+        """Build `build(graph)`'s output, allocate every tensor in a Metal buffer, set the graph's
+        inputs, and compute it if upstream supports it: on the emulated device (lanes resumed in
+        reverse order within SIMD groups if asked), or only logging the dispatches."""
         g = Graph(self.lib)
         try:
             out = build(g)
@@ -110,14 +129,25 @@ class MetalHost:
             self.lib.ggml_build_forward_expand(graph, out)
             buffer = self.lib.ggml_backend_alloc_ctx_tensors(g.ctx, self.backend)
             try:
-                for t, data in (inputs or {}).items():
+                for t, data in g.inputs.items():
                     self.lib.ggml_backend_tensor_set(t, data, 0, len(data))
                 supported = self.lib.ggml_backend_supports_op(self.backend, out)
                 self.lib.gk_metal_dispatches_reset()
+                self.lib.gk_metal_set_execute(int(execute))
+                self.lib.gk_metal_set_lane_schedule(int(reverse_lanes))
+                error, output = "", b""
                 if supported:
-                    self.lib.ggml_backend_graph_compute(self.backend, graph)
-                return Computed(bool(supported), self.dispatches())
+                    status = self.lib.ggml_backend_graph_compute(self.backend, graph)
+                    error = self.lib.gk_metal_last_error().decode() if status != 0 else ""
+                    if execute and not error:
+                        size = self.lib.ggml_nbytes(out)
+                        data = ctypes.create_string_buffer(size)
+                        self.lib.ggml_backend_tensor_get(out, data, 0, size)
+                        output = data.raw
+                return Computed(bool(supported), self.dispatches(), error, output)
             finally:
+                self.lib.gk_metal_set_execute(1)
+                self.lib.gk_metal_set_lane_schedule(0)
                 self.lib.ggml_backend_buffer_free(buffer)
         finally:
             self.lib.ggml_free(g.ctx)

@@ -1,0 +1,212 @@
+// Fibers for the emulated device's GPU threads (ucontext), and their rendezvous points.
+#include "emu_runtime.h"
+
+#include <ucontext.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+
+namespace ggml_kernels::metal::emu {
+
+std::map<std::string, KernelInfo>& kernels() {
+  static std::map<std::string, KernelInfo> k;
+  return k;
+}
+
+std::multimap<int32_t, ConstantSetter>& constant_setters() {
+  static std::multimap<int32_t, ConstantSetter> s;
+  return s;
+}
+
+namespace {
+
+constexpr size_t kStackBytes = size_t{256} << 10;
+constexpr size_t kMaxValueBytes = 256;  // the largest value a collective passes (a float4x4 is 64)
+
+enum class State { Runnable, AtCollective, AtBarrier, Done };
+
+struct Fiber {
+  ucontext_t context;
+  ThreadContext thread;
+  State state = State::Runnable;
+  // the collective it waits at
+  uint8_t value[kMaxValueBytes];
+  uint8_t result[kMaxValueBytes];
+  size_t size = 0;
+  Reduce reduce = nullptr;
+  int arg = 0;
+  const char* what = nullptr;
+};
+
+struct Threadgroup {
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  size_t running = 0;
+  KernelEntry entry = nullptr;
+  const char* kernel = nullptr;
+  std::exception_ptr error;
+};
+
+thread_local Threadgroup* t_group = nullptr;
+thread_local std::vector<std::unique_ptr<uint8_t[]>> t_stacks;  // reused across threadgroups
+std::atomic<Schedule> g_schedule{Schedule::Forward};
+
+void fiber_main() {
+  Threadgroup& g = *t_group;
+  Fiber& f = g.fibers[g.running];
+  try {
+    g.entry(f.thread);
+  } catch (...) {
+    g.error = std::current_exception();
+  }
+  f.state = State::Done;
+  swapcontext(&f.context, &g.scheduler);
+}
+
+void yield_to_scheduler() {
+  Threadgroup& g = *t_group;
+  swapcontext(&g.fibers[g.running].context, &g.scheduler);
+}
+
+// Resolves every SIMD group whose live lanes all wait at a collective; returns whether any did.
+bool resolve_collectives(Threadgroup& g) {
+  bool resolved = false;
+  const size_t n = g.fibers.size();
+  for (size_t first = 0; first < n; first += kSimdWidth) {
+    const size_t last = std::min(n, first + kSimdWidth);
+    bool alive[kSimdWidth] = {}, any = false, ready = true;
+    const Fiber* leader = nullptr;
+    for (size_t i = first; i < last; ++i) {
+      const Fiber& f = g.fibers[i];
+      if (f.state == State::Done) continue;
+      alive[i - first] = any = true;
+      if (f.state != State::AtCollective) {
+        ready = false;
+        break;
+      }
+      if (leader == nullptr) {
+        leader = &f;
+      } else if (f.reduce != leader->reduce || f.arg != leader->arg || f.size != leader->size) {
+        throw std::runtime_error(std::string("Metal emulator: kernel ") + g.kernel +
+                                 ": lanes of one SIMD group are at different collectives (" +
+                                 leader->what + ", " + f.what + ")");
+      }
+    }
+    if (!any || !ready) continue;
+    const size_t size = leader->size;
+    std::vector<uint8_t> in(kSimdWidth * size), out(kSimdWidth * size);
+    for (size_t i = first; i < last; ++i)
+      if (alive[i - first]) std::memcpy(in.data() + (i - first) * size, g.fibers[i].value, size);
+    leader->reduce(in.data(), alive, out.data(), size, leader->arg);
+    for (size_t i = first; i < last; ++i) {
+      if (!alive[i - first]) continue;
+      std::memcpy(g.fibers[i].result, out.data() + (i - first) * size, size);
+      g.fibers[i].state = State::Runnable;
+    }
+    resolved = true;
+  }
+  return resolved;
+}
+
+// Releases a barrier that every live thread has reached; returns whether it did.
+bool resolve_barrier(Threadgroup& g) {
+  bool any = false;
+  for (const Fiber& f : g.fibers) {
+    if (f.state == State::Done) continue;
+    if (f.state != State::AtBarrier) return false;
+    any = true;
+  }
+  for (Fiber& f : g.fibers)
+    if (f.state == State::AtBarrier) f.state = State::Runnable;
+  return any;
+}
+
+std::vector<size_t> resume_order(size_t n) {
+  std::vector<size_t> order;
+  order.reserve(n);
+  const bool reverse = g_schedule.load() == Schedule::Reverse;
+  for (size_t first = 0; first < n; first += kSimdWidth) {
+    const size_t last = std::min(n, first + kSimdWidth);
+    for (size_t k = 0; k < last - first; ++k) order.push_back(reverse ? last - 1 - k : first + k);
+  }
+  return order;
+}
+
+}  // namespace
+
+const ThreadContext& current() { return t_group->fibers[t_group->running].thread; }
+
+void simd_collective(const void* value, void* result, size_t size, Reduce reduce, int arg,
+                     const char* what) {
+  if (size > kMaxValueBytes)
+    throw std::runtime_error("Metal emulator: a collective's value is too large");
+  Fiber& f = t_group->fibers[t_group->running];
+  std::memcpy(f.value, value, size);
+  f.size = size, f.reduce = reduce, f.arg = arg, f.what = what;
+  f.state = State::AtCollective;
+  yield_to_scheduler();
+  std::memcpy(result, f.result, size);
+}
+
+void threadgroup_barrier() {
+  t_group->fibers[t_group->running].state = State::AtBarrier;
+  yield_to_scheduler();
+}
+
+void set_schedule(Schedule s) { g_schedule.store(s); }
+Schedule schedule() { return g_schedule.load(); }
+
+void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, uint32_t threads) {
+  Threadgroup g;
+  g.entry = entry, g.kernel = kernel;
+  g.fibers.resize(threads);
+  while (t_stacks.size() < threads) t_stacks.emplace_back(new uint8_t[kStackBytes]);
+  const uint32_t nx = base.ntg[0], ny = base.ntg[1];
+  for (uint32_t i = 0; i < threads; ++i) {
+    Fiber& f = g.fibers[i];
+    f.thread = base;
+    f.thread.tpitg[0] = i % nx, f.thread.tpitg[1] = (i / nx) % ny,
+    f.thread.tpitg[2] = i / (nx * ny);
+    for (int d = 0; d < 3; ++d) f.thread.tpig[d] = base.tgpig[d] * base.ntg[d] + f.thread.tpitg[d];
+    f.thread.index = i, f.thread.simdgroup = i / kSimdWidth, f.thread.lane = i % kSimdWidth;
+    f.thread.simdgroups = (threads + kSimdWidth - 1) / kSimdWidth;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = t_stacks[i].get();
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, fiber_main, 0);
+  }
+  Threadgroup* outer = t_group;
+  t_group = &g;
+  const std::vector<size_t> order = resume_order(threads);
+  try {
+    for (;;) {
+      bool ran = false;
+      for (size_t i : order) {
+        if (g.fibers[i].state != State::Runnable) continue;
+        g.running = i;
+        swapcontext(&g.scheduler, &g.fibers[i].context);
+        ran = true;
+        if (g.error) std::rethrow_exception(g.error);
+      }
+      const bool resolved = resolve_collectives(g) || resolve_barrier(g);
+      bool done = true;
+      for (const Fiber& f : g.fibers) done = done && f.state == State::Done;
+      if (done) break;
+      if (!ran && !resolved) {
+        throw std::runtime_error(std::string("Metal emulator: kernel ") + kernel +
+                                 " deadlocks: threads wait at a barrier or collective that the "
+                                 "others of their threadgroup or SIMD group never reach");
+      }
+    }
+  } catch (...) {
+    t_group = outer;
+    throw;
+  }
+  t_group = outer;
+}
+
+}  // namespace ggml_kernels::metal::emu

@@ -1,0 +1,327 @@
+// The Metal Shading Language as C++, for upstream's kernels translated by
+// tools/build/metal_translate.py: scalar and vector types, half, address spaces, math, SIMD-group
+// collectives and barriers (rendezvous points of emu_runtime.h), `as_type`, and the binding of a
+// kernel's parameters to a dispatch's buffers, threadgroup memory and thread-position builtins.
+// Grows with the kernel files translated (see metal_translate.KERNEL_FILES).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "emu_runtime.h"
+
+typedef _Float16 half;
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+
+namespace metal {
+
+// ---- vectors ----
+
+template <typename T, int N>
+struct vec_storage;
+template <typename T>
+struct vec_storage<T, 2> {
+  union {
+    T v[2];
+    struct {
+      T x, y;
+    };
+  };
+};
+template <typename T>
+struct vec_storage<T, 3> {
+  union {
+    T v[3];
+    struct {
+      T x, y, z;
+    };
+  };
+};
+template <typename T>
+struct vec_storage<T, 4> {
+  union {
+    T v[4];
+    struct {
+      T x, y, z, w;
+    };
+  };
+};
+
+template <typename T, int N>
+struct vec : vec_storage<T, N> {
+  using value_type = T;
+  static constexpr int size = N;
+  vec() = default;
+  vec(T s) {  // NOLINT: MSL widens scalars to vectors implicitly
+    for (int i = 0; i < N; ++i) this->v[i] = s;
+  }
+  template <typename... A, typename = std::enable_if_t<(sizeof...(A) >= 2)>>
+  vec(A... parts) {
+    int i = 0;
+    (append(i, parts), ...);
+  }
+  template <typename U>
+  explicit vec(const vec<U, N>& o) {
+    for (int i = 0; i < N; ++i) this->v[i] = static_cast<T>(o.v[i]);
+  }
+  T& operator[](int i) { return this->v[i]; }
+  const T& operator[](int i) const { return this->v[i]; }
+
+ private:
+  template <typename U>
+  void append(int& i, const U& part) {
+    if constexpr (std::is_arithmetic_v<U> || std::is_same_v<U, half>) {
+      this->v[i++] = static_cast<T>(part);
+    } else {
+      for (int j = 0; j < U::size; ++j) this->v[i++] = static_cast<T>(part.v[j]);
+    }
+  }
+};
+
+template <typename T>
+struct is_vec : std::false_type {};
+template <typename T, int N>
+struct is_vec<vec<T, N>> : std::true_type {};
+
+#define GK_VEC_BINARY(OP)                                                                  \
+  template <typename T, int N>                                                             \
+  vec<T, N> operator OP(const vec<T, N>& a, const vec<T, N>& b) {                          \
+    vec<T, N> r;                                                                           \
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] OP b.v[i];                                 \
+    return r;                                                                              \
+  }                                                                                        \
+  template <typename T, int N, typename S, typename = std::enable_if_t<!is_vec<S>::value>> \
+  vec<T, N> operator OP(const vec<T, N>& a, S b) {                                         \
+    return a OP vec<T, N>(static_cast<T>(b));                                              \
+  }                                                                                        \
+  template <typename T, int N, typename S, typename = std::enable_if_t<!is_vec<S>::value>> \
+  vec<T, N> operator OP(S a, const vec<T, N>& b) {                                         \
+    return vec<T, N>(static_cast<T>(a)) OP b;                                              \
+  }                                                                                        \
+  template <typename T, int N, typename S>                                                 \
+  vec<T, N>& operator OP## = (vec<T, N> & a, const S& b) {                                 \
+    return a = a OP b;                                                                     \
+  }
+GK_VEC_BINARY(+)
+GK_VEC_BINARY(-)
+GK_VEC_BINARY(*)
+GK_VEC_BINARY(/)
+#undef GK_VEC_BINARY
+
+template <typename T, int N>
+vec<T, N> operator-(const vec<T, N>& a) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = -a.v[i];
+  return r;
+}
+
+#define GK_VEC_TYPES(T, NAME) \
+  typedef vec<T, 2> NAME##2;  \
+  typedef vec<T, 3> NAME##3;  \
+  typedef vec<T, 4> NAME##4;
+GK_VEC_TYPES(float, float)
+GK_VEC_TYPES(half, half)
+GK_VEC_TYPES(int32_t, int)
+GK_VEC_TYPES(uint32_t, uint)
+GK_VEC_TYPES(int16_t, short)
+GK_VEC_TYPES(uint16_t, ushort)
+GK_VEC_TYPES(int8_t, char)
+GK_VEC_TYPES(uint8_t, uchar)
+GK_VEC_TYPES(bool, bool)
+#undef GK_VEC_TYPES
+
+// ---- math ----
+
+#define GK_UNARY(NAME, EXPR)                           \
+  inline float NAME(float x) { return EXPR; }          \
+  inline half NAME(half h) {                           \
+    float x = static_cast<float>(h);                   \
+    return static_cast<half>(EXPR);                    \
+  }                                                    \
+  template <typename T, int N>                         \
+  vec<T, N> NAME(const vec<T, N>& a) {                 \
+    vec<T, N> r;                                       \
+    for (int i = 0; i < N; ++i) r.v[i] = NAME(a.v[i]); \
+    return r;                                          \
+  }
+GK_UNARY(sqrt, std::sqrt(x))
+GK_UNARY(rsqrt, 1.0f / std::sqrt(x))
+GK_UNARY(exp, std::exp(x))
+GK_UNARY(log, std::log(x))
+GK_UNARY(fabs, std::fabs(x))
+GK_UNARY(abs, std::fabs(x))
+GK_UNARY(tanh, std::tanh(x))
+GK_UNARY(floor, std::floor(x))
+GK_UNARY(ceil, std::ceil(x))
+GK_UNARY(round, std::round(x))
+GK_UNARY(sign, (x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f)))
+#undef GK_UNARY
+
+template <typename T, int N>
+T dot(const vec<T, N>& a, const vec<T, N>& b) {
+  T s = a.v[0] * b.v[0];
+  for (int i = 1; i < N; ++i) s += a.v[i] * b.v[i];
+  return s;
+}
+
+template <typename T>
+T min(T a, T b) {
+  return b < a ? b : a;
+}
+template <typename T>
+T max(T a, T b) {
+  return a < b ? b : a;
+}
+template <typename T>
+T clamp(T x, T lo, T hi) {
+  return min(max(x, lo), hi);
+}
+
+namespace precise {
+using metal::exp;
+using metal::sqrt;
+using metal::tanh;
+}  // namespace precise
+namespace fast {
+using metal::exp;
+using metal::sqrt;
+using metal::tanh;
+}  // namespace fast
+
+template <typename To, typename From>
+To as_type(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "as_type between types of different sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// ---- SIMD groups and barriers ----
+
+struct mem_flags {
+  enum flags : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+};
+inline mem_flags::flags operator|(mem_flags::flags a, mem_flags::flags b) {
+  return static_cast<mem_flags::flags>(static_cast<int>(a) | static_cast<int>(b));
+}
+
+inline void threadgroup_barrier(mem_flags::flags) {
+  ggml_kernels::metal::emu::threadgroup_barrier();
+}
+inline void simdgroup_barrier(mem_flags::flags) {}
+
+namespace detail {
+namespace emu = ggml_kernels::metal::emu;
+// Sums the live lanes' values in lane order (the same whatever order the lanes arrived in).
+template <typename T>
+void reduce_sum(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
+  T s{};
+  bool first = true;
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
+    if (!alive[lane]) continue;
+    T v;
+    std::memcpy(&v, in + lane * size, size);
+    s = first ? v : s + v;
+    first = false;
+  }
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) std::memcpy(out + lane * size, &s, size);
+}
+template <typename T>
+void reduce_max(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
+  T s{};
+  bool first = true;
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
+    if (!alive[lane]) continue;
+    T v;
+    std::memcpy(&v, in + lane * size, size);
+    s = first ? v : max(s, v);
+    first = false;
+  }
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) std::memcpy(out + lane * size, &s, size);
+}
+}  // namespace detail
+
+template <typename T>
+T simd_sum(T v) {
+  T r;
+  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce_sum<T>, 0,
+                                            "simd_sum");
+  return r;
+}
+template <typename T>
+T simd_max(T v) {
+  T r;
+  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce_max<T>, 0,
+                                            "simd_max");
+  return r;
+}
+
+}  // namespace metal
+
+// ---- address spaces and attributes: no meaning on the CPU ----
+#define device
+#define constant
+#define threadgroup
+#define thread
+#define kernel
+
+// ---- binding a kernel's parameters (translated kernels call gk_emu_invoke) ----
+namespace ggml_kernels::metal::emu {
+
+template <typename A>
+A bind(const ThreadContext& c, const Param& p) {
+  if constexpr (std::is_pointer_v<A>) {
+    void* ptr =
+        p.kind == Param::Kind::Threadgroup ? (*c.tg_memory)[p.index] : (*c.buffers)[p.index];
+    return reinterpret_cast<A>(ptr);
+  } else if constexpr (std::is_reference_v<A>) {
+    return *reinterpret_cast<std::remove_reference_t<A>*>((*c.buffers)[p.index]);
+  } else {
+    const uint32_t* v = nullptr;
+    uint32_t scalar = 0;
+    switch (p.index) {
+      case kThreadgroupPositionInGrid: v = c.tgpig; break;
+      case kThreadPositionInThreadgroup: v = c.tpitg; break;
+      case kThreadPositionInGrid: v = c.tpig; break;
+      case kThreadsPerThreadgroup: v = c.ntg; break;
+      case kThreadgroupsPerGrid: v = c.ntgp; break;
+      case kSimdgroupIndexInThreadgroup: scalar = c.simdgroup; break;
+      case kThreadIndexInSimdgroup: scalar = c.lane; break;
+      case kSimdgroupsPerThreadgroup: scalar = c.simdgroups; break;
+      case kThreadIndexInThreadgroup: scalar = c.index; break;
+      case kThreadsPerSimdgroup: scalar = kSimdWidth; break;
+    }
+    if constexpr (::metal::is_vec<A>::value) {
+      A r;
+      for (int i = 0; i < A::size; ++i)
+        r.v[i] = static_cast<typename A::value_type>(v ? v[i] : scalar);
+      return r;
+    } else {
+      return static_cast<A>(v ? v[0] : scalar);
+    }
+  }
+}
+
+template <typename... A, size_t... I>
+void invoke_impl(void (*f)(A...), const ThreadContext& c, const Param* p,
+                 std::index_sequence<I...>) {
+  f(bind<A>(c, p[I])...);
+}
+template <typename... A>
+void invoke(void (*f)(A...), const ThreadContext& c, const Param* p) {
+  invoke_impl(f, c, p, std::index_sequence_for<A...>{});
+}
+
+}  // namespace ggml_kernels::metal::emu
+
+// A function constant: a per-thread global the executor sets before each dispatch.
+#define GK_FUNCTION_CONSTANT(TYPE, NAME, INDEX)                        \
+  static thread_local TYPE NAME;                                       \
+  static ggml_kernels::metal::emu::ConstantRegistrar NAME##_registrar( \
+      (INDEX), [](int32_t value) { NAME = static_cast<TYPE>(value); });

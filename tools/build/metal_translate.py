@@ -1,0 +1,134 @@
+"""Upstream's Metal kernels (.metal files, the Metal Shading Language) as C++ for the emulated device.
+
+The translation is mechanical and done at build time into the runtime cache (nothing generated is
+committed). MSL is C++ with address spaces, attributes and a standard library; common/metal/msl.h
+gives the library and makes the address spaces vanish, so what is left to rewrite is small:
+- function constants (`constant T NAME [[function_constant(I)]];`) become per-thread globals that
+  the executor sets before each dispatch (`GK_FUNCTION_CONSTANT`);
+- each kernel's parameters are read from its signature: a buffer index (`[[buffer(n)]]`, or the next
+  one when unmarked, as Metal assigns them), a threadgroup-memory index or a thread-position builtin;
+- each `[[host_name("...")]]` instance, explicit (`template [[host_name(N)]] kernel T f<A>;`) or on
+  a kernel definition, becomes an entry of the emulator's kernel registry that binds those
+  parameters from a dispatch and calls the instance.
+`python -m tools.build.metal_translate <file.metal>` prints one translation.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# The kernel files the emulated device runs (the others' kernels raise "not translated yet").
+KERNEL_FILES = ["norm.metal"]
+
+BUILTINS = {
+    "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
+    "thread_position_in_threadgroup": "kThreadPositionInThreadgroup",
+    "thread_position_in_grid": "kThreadPositionInGrid",
+    "threads_per_threadgroup": "kThreadsPerThreadgroup",
+    "threadgroups_per_grid": "kThreadgroupsPerGrid",
+    "simdgroup_index_in_threadgroup": "kSimdgroupIndexInThreadgroup",
+    "thread_index_in_simdgroup": "kThreadIndexInSimdgroup",
+    "simdgroups_per_threadgroup": "kSimdgroupsPerThreadgroup",
+    "thread_index_in_threadgroup": "kThreadIndexInThreadgroup",
+    "threads_per_simdgroup": "kThreadsPerSimdgroup",
+}
+
+_FUNCTION_CONSTANT = re.compile(r"^(\s*)constant\s+([\w:]+)\s+(\w+)\s*\[\[\s*function_constant\((.*?)\)\s*\]\]\s*;", re.M)
+_INSTANCE = re.compile(r"template\s*\[\[\s*host_name\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*kernel\s+[\w:]+\s+(\w+)\s*<(.*?)>\s*;", re.S)
+_KERNEL = re.compile(r"(\[\[\s*host_name\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*)?\bkernel\s+void\s+(\w+)\s*\(")
+_ATTRIBUTE = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]\s*$")
+
+
+@dataclass
+class Kernel:
+    function: str
+    params: list[tuple[str, int | str]]  # ("Buffer" | "Threadgroup", index) or ("Builtin", enum name)
+
+
+def _matching_paren(text: str, open_at: int) -> int:
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    raise ValueError("unbalanced parentheses in a kernel signature")
+
+
+def _split_params(params: str) -> list[str]:
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(params):
+        depth += {"(": 1, "<": 1, "[": 1, ")": -1, ">": -1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            out.append(params[start:i])
+            start = i + 1
+    out.append(params[start:])
+    return [p.strip() for p in out if p.strip()]
+
+
+def _param_kinds(params: list[str], where: str) -> list[tuple[str, int | str]]:
+    kinds, next_buffer = [], 0
+    for p in params:
+        m = _ATTRIBUTE.search(p)
+        if m is None or m.group(1) == "buffer":
+            index = int(m.group(2)) if m else next_buffer
+            kinds.append(("Buffer", index))
+            next_buffer = index + 1
+        elif m.group(1) == "threadgroup":
+            kinds.append(("Threadgroup", int(m.group(2) or 0)))
+        elif m.group(1) in BUILTINS:
+            kinds.append(("Builtin", BUILTINS[m.group(1)]))
+        else:
+            raise ValueError(f"{where}: parameter {p!r} has an attribute the emulator does not know")
+    return kinds
+
+
+def translate(source: str, name: str) -> str:
+    """One .metal file as a C++ translation unit for the emulator."""
+    text = _FUNCTION_CONSTANT.sub(lambda m: f"{m.group(1)}GK_FUNCTION_CONSTANT({m.group(2)}, {m.group(3)}, {m.group(4)})", source)
+    instances: list[tuple[str, str, str]] = [(m.group(1), m.group(2), m.group(3)) for m in _INSTANCE.finditer(text)]
+    text = _INSTANCE.sub("", text)
+    kernels: dict[str, Kernel] = {}
+    out, pos = [], 0
+    for m in _KERNEL.finditer(text):
+        close = _matching_paren(text, m.end() - 1)
+        function = m.group(3)
+        kernels[function] = Kernel(function, _param_kinds(_split_params(text[m.end() : close]), f"{name}: {function}"))
+        if m.group(2):
+            instances.append((m.group(2), function, ""))
+        # the signature without its attributes (read above; some name address spaces)
+        out.append(text[pos : m.start()] + "void " + function + "(" + re.sub(r"\[\[.*?\]\]", "", text[m.end() : close]))
+        pos = close
+    out.append(text[pos:])
+    body = "".join(out)
+    return _prelude(name) + body + _registry(name, kernels, instances)
+
+
+def _prelude(name: str) -> str:
+    return (
+        f"// {name}, translated for the emulated Metal device by tools/build/metal_translate.py.\n"
+        "#include <cstddef>\n#include <cstdint>\n#include \"msl.h\"\n"
+    )
+
+
+def _registry(name: str, kernels: dict[str, Kernel], instances: list[tuple[str, str, str]]) -> str:
+    lines = ["", "namespace {", "namespace gk_emu = ggml_kernels::metal::emu;"]
+    for k in kernels.values():
+        entries = ", ".join(f"{{gk_emu::Param::Kind::{kind}, " + (f"gk_emu::{v}" if kind == "Builtin" else str(v)) + "}"
+                            for kind, v in k.params)
+        lines.append(f"const gk_emu::Param gk_params_{k.function}[] = {{{entries}}};")
+    for i, (host_name, function, args) in enumerate(instances):
+        if function not in kernels:
+            raise ValueError(f"{name}: [[host_name(\"{host_name}\")]] names {function}, which is not a kernel of this file")
+        instance = f"{function}<{args}>" if args else function
+        lines.append(f"void gk_entry_{i}(const gk_emu::ThreadContext& c) {{ gk_emu::invoke(&{instance}, c, gk_params_{function}); }}")
+        lines.append(f"gk_emu::KernelRegistrar gk_registrar_{i}(\"{host_name}\", &gk_entry_{i}, \"{name}\");")
+    lines.append("}  // namespace")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1])
+    sys.stdout.write(translate(path.read_text(), path.name))
