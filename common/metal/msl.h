@@ -218,32 +218,40 @@ inline void simdgroup_barrier(mem_flags::flags) {}
 
 namespace detail {
 namespace emu = ggml_kernels::metal::emu;
-// Sums the live lanes' values in lane order (the same whatever order the lanes arrived in).
-template <typename T>
-void reduce_sum(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
-  T s{};
+// Folds the live lanes' values in lane order (the same whatever order the lanes arrived in) and
+// gives every lane the result.
+template <typename T, typename Op>
+void reduce_all(const uint8_t* in, const bool* alive, uint8_t* out, size_t size) {
+  T acc{};
   bool first = true;
   for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
     if (!alive[lane]) continue;
     T v;
     std::memcpy(&v, in + lane * size, size);
-    s = first ? v : s + v;
+    acc = first ? v : Op{}(acc, v);
     first = false;
   }
-  for (int lane = 0; lane < emu::kSimdWidth; ++lane) std::memcpy(out + lane * size, &s, size);
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) std::memcpy(out + lane * size, &acc, size);
+}
+struct Add {
+  template <typename T>
+  T operator()(const T& a, const T& b) const {
+    return a + b;
+  }
+};
+struct Max {
+  template <typename T>
+  T operator()(const T& a, const T& b) const {
+    return max(a, b);
+  }
+};
+template <typename T>
+void reduce_sum(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
+  reduce_all<T, Add>(in, alive, out, size);
 }
 template <typename T>
 void reduce_max(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
-  T s{};
-  bool first = true;
-  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
-    if (!alive[lane]) continue;
-    T v;
-    std::memcpy(&v, in + lane * size, size);
-    s = first ? v : max(s, v);
-    first = false;
-  }
-  for (int lane = 0; lane < emu::kSimdWidth; ++lane) std::memcpy(out + lane * size, &s, size);
+  reduce_all<T, Max>(in, alive, out, size);
 }
 }  // namespace detail
 
