@@ -159,5 +159,37 @@ def test_l2_norm_runs_on_the_emulated_device(host):
 
 
 def test_a_kernel_not_translated_yet_is_an_error_not_a_crash(host):
-    found = host.compute(lambda g: g.mul_mat(g.tensor(Q4_K, 256, 32), g.tensor(F32, 256, 1)))
-    assert found.supported and "kernel_mul_mv_q4_K_f32 is not translated yet" in found.error
+    found = host.compute(lambda g: g.mul_mat(g.tensor(Q4_K, 256, 32), g.tensor(F32, 256, 12)))  # mul_mm.metal
+    assert found.supported and "kernel_mul_mm_q4_K_f32 is not translated yet" in found.error
+
+
+# Mat-vec (1-3 rows; K-quants 1-3, others 1) and mat-vec-ext (2-8 rows) on every storage type the
+# translated mul_mv.metal serves, against gguf-py's dequantization (an independent oracle) and a
+# float64 product: the kernels dequantize to float and accumulate in float32 over K = 512 (~sqrt(K)
+# roundings of the output's scale), so 1e-5 of the output scale leaves a wide margin (observed < 4e-7).
+MAT_VEC_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("type_name", MAT_VEC_TYPES)
+def test_mat_vec_kernels_run_on_the_emulated_device(host, type_name, rows):
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    k, n = 512, 64
+    rng = np.random.default_rng(int(qtype) * 10 + rows)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    blocks = w.tobytes() if type_name == "F32" else host.quantize(int(qtype), w)
+    dense = gguf.quants.dequantize(np.frombuffer(blocks, np.uint8).reshape(n, -1), qtype).reshape(n, k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+
+    def build(g):
+        return g.mul_mat(g.input(int(qtype), blocks, k, n), g.input(F32, x.tobytes(), k, rows))
+
+    forward, reverse = ran(host, build), ran(host, build, reverse_lanes=True)
+    (kernel,) = [d["kernel"] for d in forward.dispatches]
+    assert kernel.startswith("kernel_mul_mv_"), kernel
+    y = np.frombuffer(forward.output, np.float32).reshape(rows, n)
+    ref = x.astype(np.float64) @ dense.T.astype(np.float64)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert forward.output == reverse.output

@@ -136,6 +136,71 @@ GK_VEC_TYPES(uint8_t, uchar)
 GK_VEC_TYPES(bool, bool)
 #undef GK_VEC_TYPES
 
+// bfloat: 16-bit brain float, converted through float (round to nearest even)
+struct bfloat {
+  uint16_t bits;
+  bfloat() = default;
+  bfloat(float f) {  // NOLINT: converts implicitly, as MSL's does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits = static_cast<uint16_t>((u >> 16) | 0x40);  // a quiet NaN
+    } else {
+      bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  operator float() const {  // NOLINT
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+typedef vec<bfloat, 2> bfloat2;
+typedef vec<bfloat, 3> bfloat3;
+typedef vec<bfloat, 4> bfloat4;
+
+// packed vectors: the same layout here (no 16-byte alignment of 3-vectors to undo)
+#define GK_PACKED(NAME)             \
+  typedef NAME##2 packed_##NAME##2; \
+  typedef NAME##3 packed_##NAME##3; \
+  typedef NAME##4 packed_##NAME##4;
+GK_PACKED(float)
+GK_PACKED(half)
+GK_PACKED(char)
+GK_PACKED(uchar)
+GK_PACKED(short)
+GK_PACKED(ushort)
+GK_PACKED(int)
+GK_PACKED(uint)
+#undef GK_PACKED
+
+// matrix<T, C, R>: C columns of R rows; m[i] is column i
+template <typename T, int C, int R>
+struct matrix {
+  vec<T, R> columns[C];
+  vec<T, R>& operator[](int i) { return columns[i]; }
+  const vec<T, R>& operator[](int i) const { return columns[i]; }
+};
+typedef matrix<float, 4, 4> float4x4;
+typedef matrix<half, 4, 4> half4x4;
+typedef matrix<bfloat, 4, 4> bfloat4x4;
+typedef matrix<float, 2, 4> float2x4;
+typedef matrix<half, 2, 4> half2x4;
+typedef matrix<bfloat, 2, 4> bfloat2x4;
+
+// select(a, b, c): c ? b : a, per component
+template <typename T>
+T select(T a, T b, bool c) {
+  return c ? b : a;
+}
+template <typename T, int N>
+vec<T, N> select(const vec<T, N>& a, const vec<T, N>& b, const vec<bool, N>& c) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = c.v[i] ? b.v[i] : a.v[i];
+  return r;
+}
+
 // ---- math ----
 
 #define GK_UNARY(NAME, EXPR)                           \
@@ -254,6 +319,59 @@ void reduce_max(const uint8_t* in, const bool* alive, uint8_t* out, size_t size,
   reduce_all<T, Max>(in, alive, out, size);
 }
 }  // namespace detail
+
+namespace detail {
+// Lane `lane` receives the value of lane `source(lane, arg)` when that lane is in the group and
+// alive, else keeps its own.
+template <typename T, int (*source)(int, int)>
+void shuffle(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int arg) {
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
+    const int from = source(lane, arg);
+    const bool ok = from >= 0 && from < emu::kSimdWidth && alive[from];
+    std::memcpy(out + lane * size, in + (ok ? from : lane) * size, size);
+  }
+}
+inline int from_down(int lane, int delta) { return lane + delta; }
+inline int from_up(int lane, int delta) { return lane - delta; }
+inline int from_xor(int lane, int mask) { return lane ^ mask; }
+inline int from_lane(int, int lane) { return lane; }
+}  // namespace detail
+
+#define GK_SHUFFLE(NAME, SOURCE)                                                                 \
+  template <typename T>                                                                          \
+  T NAME(T v, int arg) {                                                                         \
+    T r;                                                                                         \
+    ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T),                                 \
+                                              &detail::shuffle<T, &detail::SOURCE>, arg, #NAME); \
+    return r;                                                                                    \
+  }
+GK_SHUFFLE(simd_shuffle_down, from_down)
+GK_SHUFFLE(simd_shuffle_up, from_up)
+GK_SHUFFLE(simd_shuffle_xor, from_xor)
+GK_SHUFFLE(simd_shuffle, from_lane)
+GK_SHUFFLE(simd_broadcast, from_lane)
+#undef GK_SHUFFLE
+
+namespace detail {
+struct Min {
+  template <typename T>
+  T operator()(const T& a, const T& b) const {
+    return min(a, b);
+  }
+};
+template <typename T>
+void reduce_min(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
+  reduce_all<T, Min>(in, alive, out, size);
+}
+}  // namespace detail
+
+template <typename T>
+T simd_min(T v) {
+  T r;
+  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce_min<T>, 0,
+                                            "simd_min");
+  return r;
+}
 
 template <typename T>
 T simd_sum(T v) {

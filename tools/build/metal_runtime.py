@@ -78,7 +78,7 @@ def _kernel_objects(n: ninja.NinjaFile, *, out: Path, src: Path, staged: Path, f
     objs = []
     for name in metal_translate.KERNEL_FILES:
         cpp = translated / (Path(name).stem + ".cpp")
-        _write_if_changed(cpp, metal_translate.translate((kernels_dir / name).read_text(), name))
+        _write_if_changed(cpp, metal_translate.translate_file(kernels_dir / name))
         obj = out / "obj" / "metal-kernels" / (cpp.name + ".o")
         n.build(obj, "cxx", cpp, implicit=headers, variables={"flags": ninja.quote(kernel_flags)})
         objs.append(obj)

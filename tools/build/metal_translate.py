@@ -8,8 +8,10 @@ gives the library and makes the address spaces vanish, so what is left to rewrit
 - each kernel's parameters are read from its signature: a buffer index (`[[buffer(n)]]`, or the next
   one when unmarked, as Metal assigns them), a threadgroup-memory index or a thread-position builtin;
 - each `[[host_name("...")]]` instance, explicit (`template [[host_name(N)]] kernel T f<A>;`) or on
-  a kernel definition, becomes an entry of the emulator's kernel registry that binds those
-  parameters from a dispatch and calls the instance.
+  a kernel definition, and each plain (non-template) kernel under its own name, becomes an entry of
+  the emulator's kernel registry that binds those parameters from a dispatch and calls it;
+- GNU range initialisers (C only) become fill loops, `1.0h` half literals casts, and every file
+  sits in its own unnamed namespace (each .metal file is its own Metal library).
 `python -m tools.build.metal_translate <file.metal>` prints one translation.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The kernel files the emulated device runs (the others' kernels raise "not translated yet").
-KERNEL_FILES = ["norm.metal"]
+KERNEL_FILES = ["norm.metal", "mul_mv.metal"]
 
 BUILTINS = {
     "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
@@ -85,8 +87,37 @@ def _param_kinds(params: list[str], where: str) -> list[tuple[str, int | str]]:
     return kinds
 
 
+_HALF_LITERAL = re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?h\b")
+
+
+_RANGE_INIT = re.compile(r"([\w:]+)\s+(\w+)\s*\[([^\]]+)\]\s*=\s*\{\s*\[\s*0\s*\.\.\.[^\]]+\]\s*=\s*([^}]+?)\s*\}\s*;")
+_QUOTE_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def inline_includes(source: str, folders: list[Path], seen: set[str] | None = None) -> str:
+    """`#include "x"` replaced by x's text (found in `folders`), each file once, so that the rewrites
+    below reach the kernels' shared headers too (dequantize.h, quantize.h, common.h, ggml-metal-impl.h)."""
+    seen = set() if seen is None else seen
+
+    def one(m: re.Match) -> str:
+        header = m.group(1)
+        if header in seen:
+            return ""
+        path = next((f / header for f in folders if (f / header).exists()), None)
+        if path is None:
+            return m.group(0)
+        seen.add(header)
+        return inline_includes(path.read_text(), folders, seen)
+
+    return _QUOTE_INCLUDE.sub(one, source)
+
+
 def translate(source: str, name: str) -> str:
-    """One .metal file as a C++ translation unit for the emulator."""
+    """One .metal file (its quoted includes inlined) as a C++ translation unit for the emulator."""
+    # GNU range initialisers (`float s[N] = { [0 ... N-1] = v };`, C only): a fill loop
+    source = _RANGE_INIT.sub(lambda m: f"{m.group(1)} {m.group(2)}[{m.group(3)}]; for (auto& gk_e : {m.group(2)}) gk_e = {m.group(4)};", source)
+    source = _HALF_LITERAL.sub(lambda m: f"((half) {m.group(1)}{m.group(2) or ''}f)" if "." in m.group(1) or m.group(2)
+                               else f"((half) {m.group(1)}.0f)", source)
     text = _FUNCTION_CONSTANT.sub(lambda m: f"{m.group(1)}GK_FUNCTION_CONSTANT({m.group(2)}, {m.group(3)}, {m.group(4)})", source)
     instances: list[tuple[str, str, str]] = [(m.group(1), m.group(2), m.group(3)) for m in _INSTANCE.finditer(text)]
     text = _INSTANCE.sub("", text)
@@ -98,18 +129,21 @@ def translate(source: str, name: str) -> str:
         kernels[function] = Kernel(function, _param_kinds(_split_params(text[m.end() : close]), f"{name}: {function}"))
         if m.group(2):
             instances.append((m.group(2), function, ""))
+        elif not text[: m.start()].rstrip().endswith(">"):  # a plain kernel: its name is its host name
+            instances.append((function, function, ""))
         # the signature without its attributes (read above; some name address spaces)
         out.append(text[pos : m.start()] + "void " + function + "(" + re.sub(r"\[\[.*?\]\]", "", text[m.end() : close]))
         pos = close
     out.append(text[pos:])
     body = "".join(out)
-    return _prelude(name) + body + _registry(name, kernels, instances)
+    # each file is its own Metal library: in one unnamed namespace, its globals clash with no other's
+    return _prelude(name) + "namespace {\n" + body + _registry(name, kernels, instances) + "}  // namespace\n"
 
 
 def _prelude(name: str) -> str:
     return (
         f"// {name}, translated for the emulated Metal device by tools/build/metal_translate.py.\n"
-        "#include <cstddef>\n#include <cstdint>\n#include \"msl.h\"\n"
+        "// a Metal 3.2 device with bfloat (emu props: has_bfloat)\n#define __METAL_VERSION__ 320\n#define GGML_METAL_HAS_BF16 1\n#include <cstddef>\n#include <cstdint>\n#include \"msl.h\"\n"
     )
 
 
@@ -129,6 +163,10 @@ def _registry(name: str, kernels: dict[str, Kernel], instances: list[tuple[str, 
     return "\n".join(lines) + "\n"
 
 
+def translate_file(path: Path) -> str:
+    """A kernel file of upstream's kernels/ folder, its includes from there, ggml-metal/ and ggml/src/."""
+    return translate(inline_includes(path.read_text(), [path.parent, path.parent.parent, path.parent.parent.parent]), path.name)
+
+
 if __name__ == "__main__":
-    path = Path(sys.argv[1])
-    sys.stdout.write(translate(path.read_text(), path.name))
+    sys.stdout.write(translate_file(Path(sys.argv[1])))

@@ -33,6 +33,8 @@ _SIGNATURES = {  # name -> (restype, argtypes), as ggml.h / ggml-backend.h / ggm
     "ggml_new_tensor_2d": (_P, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
     "ggml_new_tensor_3d": (_P, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
     "ggml_get_data": (_P, [_P]),
+    "ggml_quantize_chunk": (ctypes.c_size_t, [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P]),
+    "ggml_row_size": (ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]),
     "ggml_nbytes": (ctypes.c_size_t, [_P]),
     "ggml_mul_mat": (_P, [_P, _P, _P]),
     "ggml_mul": (_P, [_P, _P, _P]),
@@ -108,6 +110,16 @@ class MetalHost:
         self.backend = self.lib.ggml_backend_metal_init()
         if not self.backend:
             raise RuntimeError("ggml_backend_metal_init() returned no backend")
+
+    def quantize(self, type_id: int, w) -> bytes:
+        """ggml's own quantizer (ggml-base) on float32 rows `w` (rows, cols) -> the GGUF blocks."""
+        import numpy as np
+
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        rows, cols = w.shape
+        out = ctypes.create_string_buffer(self.lib.ggml_row_size(type_id, cols) * rows)
+        self.lib.ggml_quantize_chunk(type_id, w.ctypes.data, out, 0, rows, cols, None)
+        return out.raw
 
     def name(self) -> str:
         return self.lib.ggml_backend_name(self.backend).decode()
