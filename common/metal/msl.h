@@ -310,13 +310,15 @@ struct Max {
     return max(a, b);
   }
 };
-template <typename T>
-void reduce_sum(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
-  reduce_all<T, Add>(in, alive, out, size);
-}
-template <typename T>
-void reduce_max(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
-  reduce_all<T, Max>(in, alive, out, size);
+struct Min {
+  template <typename T>
+  T operator()(const T& a, const T& b) const {
+    return min(a, b);
+  }
+};
+template <typename T, typename Op>
+void reduce(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
+  reduce_all<T, Op>(in, alive, out, size);
 }
 }  // namespace detail
 
@@ -352,41 +354,18 @@ GK_SHUFFLE(simd_shuffle, from_lane)
 GK_SHUFFLE(simd_broadcast, from_lane)
 #undef GK_SHUFFLE
 
-namespace detail {
-struct Min {
-  template <typename T>
-  T operator()(const T& a, const T& b) const {
-    return min(a, b);
+#define GK_REDUCTION(NAME, OP)                                                                   \
+  template <typename T>                                                                          \
+  T NAME(T v) {                                                                                  \
+    T r;                                                                                         \
+    ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce<T, detail::OP>, \
+                                              0, #NAME);                                         \
+    return r;                                                                                    \
   }
-};
-template <typename T>
-void reduce_min(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
-  reduce_all<T, Min>(in, alive, out, size);
-}
-}  // namespace detail
-
-template <typename T>
-T simd_min(T v) {
-  T r;
-  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce_min<T>, 0,
-                                            "simd_min");
-  return r;
-}
-
-template <typename T>
-T simd_sum(T v) {
-  T r;
-  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce_sum<T>, 0,
-                                            "simd_sum");
-  return r;
-}
-template <typename T>
-T simd_max(T v) {
-  T r;
-  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::reduce_max<T>, 0,
-                                            "simd_max");
-  return r;
-}
+GK_REDUCTION(simd_sum, Add)
+GK_REDUCTION(simd_max, Max)
+GK_REDUCTION(simd_min, Min)
+#undef GK_REDUCTION
 
 }  // namespace metal
 
