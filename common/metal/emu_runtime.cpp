@@ -144,11 +144,11 @@ void simd_collective(const void* value, void* result, size_t size, Reduce reduce
   if (size > kMaxValueBytes)
     throw std::runtime_error("Metal emulator: a collective's value is too large");
   Fiber& f = t_group->fibers[t_group->running];
-  std::memcpy(f.value, value, size);
+  if (size > 0) std::memcpy(f.value, value, size);
   f.size = size, f.reduce = reduce, f.arg = arg, f.what = what;
   f.state = State::AtCollective;
   yield_to_scheduler();
-  std::memcpy(result, f.result, size);
+  if (size > 0) std::memcpy(result, f.result, size);
 }
 
 void threadgroup_barrier() {

@@ -5,6 +5,7 @@
 // Grows with the kernel files translated (see metal_translate.KERNEL_FILES).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -136,7 +137,7 @@ GK_VEC_TYPES(uint8_t, uchar)
 GK_VEC_TYPES(bool, bool)
 #undef GK_VEC_TYPES
 
-// bfloat: 16-bit brain float, converted through float (round to nearest even)
+// bfloat: 16-bit brain float, converted through float (round to nearest even).
 struct bfloat {
   uint16_t bits;
   bfloat() = default;
@@ -149,13 +150,29 @@ struct bfloat {
       bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
   }
-  operator float() const {  // NOLINT
+  bfloat(int i) : bfloat(static_cast<float>(i)) {}   // NOLINT
+  bfloat(half h) : bfloat(static_cast<float>(h)) {}  // NOLINT
+  // to floating types only: `c ? b : 0` then converts the 0, as in MSL
+  template <typename F,
+            typename = std::enable_if_t<std::is_floating_point_v<F> || std::is_same_v<F, half>>>
+  operator F() const {  // NOLINT
     const uint32_t u = static_cast<uint32_t>(bits) << 16;
     float f;
     std::memcpy(&f, &u, 4);
-    return f;
+    return static_cast<F>(f);
   }
 };
+#define GK_BFLOAT_OP(OP)                                                             \
+  inline float operator OP(bfloat a, float b) { return static_cast<float>(a) OP b; } \
+  inline float operator OP(float a, bfloat b) { return a OP static_cast<float>(b); } \
+  inline float operator OP(bfloat a, bfloat b) {                                     \
+    return static_cast<float>(a) OP static_cast<float>(b);                           \
+  }
+GK_BFLOAT_OP(+)
+GK_BFLOAT_OP(-)
+GK_BFLOAT_OP(*)
+GK_BFLOAT_OP(/)
+#undef GK_BFLOAT_OP
 typedef vec<bfloat, 2> bfloat2;
 typedef vec<bfloat, 3> bfloat3;
 typedef vec<bfloat, 4> bfloat4;
@@ -179,9 +196,20 @@ GK_PACKED(uint)
 template <typename T, int C, int R>
 struct matrix {
   vec<T, R> columns[C];
+  matrix() = default;
+  template <typename U>
+  explicit matrix(const matrix<U, C, R>& o) {
+    for (int i = 0; i < C; ++i) columns[i] = vec<T, R>(o.columns[i]);
+  }
   vec<T, R>& operator[](int i) { return columns[i]; }
   const vec<T, R>& operator[](int i) const { return columns[i]; }
 };
+template <typename T, int C, int R, typename S>
+matrix<T, C, R> operator*(const matrix<T, C, R>& m, S s) {
+  matrix<T, C, R> r;
+  for (int i = 0; i < C; ++i) r.columns[i] = m.columns[i] * s;
+  return r;
+}
 typedef matrix<float, 4, 4> float4x4;
 typedef matrix<half, 4, 4> half4x4;
 typedef matrix<bfloat, 4, 4> bfloat4x4;
@@ -279,7 +307,6 @@ inline mem_flags::flags operator|(mem_flags::flags a, mem_flags::flags b) {
 inline void threadgroup_barrier(mem_flags::flags) {
   ggml_kernels::metal::emu::threadgroup_barrier();
 }
-inline void simdgroup_barrier(mem_flags::flags) {}
 
 namespace detail {
 namespace emu = ggml_kernels::metal::emu;
@@ -320,6 +347,7 @@ template <typename T, typename Op>
 void reduce(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
   reduce_all<T, Op>(in, alive, out, size);
 }
+inline void nothing(const uint8_t*, const bool*, uint8_t*, size_t, int) {}
 }  // namespace detail
 
 namespace detail {
@@ -367,11 +395,89 @@ GK_REDUCTION(simd_max, Max)
 GK_REDUCTION(simd_min, Min)
 #undef GK_REDUCTION
 
+// ---- SIMD-group matrices ----
+// Every lane holds the whole 8x8 tile (row-major) and computes whole products itself: the same
+// values in every lane, at 32 times the arithmetic of a GPU. Loads, stores and barriers are
+// rendezvous points of the SIMD group, so a lane never reads a tile before the group's writes.
+
+inline void simd_rendezvous(const char* what) {
+  ggml_kernels::metal::emu::simd_collective(nullptr, nullptr, 0, &detail::nothing, 0, what);
+}
+inline void simdgroup_barrier(mem_flags::flags) { simd_rendezvous("simdgroup_barrier"); }
+
+template <typename T, int Cols, int Rows = Cols>
+struct simdgroup_matrix {
+  T e[Rows * Cols];
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <typename T, int Cols, int Rows = Cols>
+simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  for (auto& x : m.e) x = value;
+  return m;
+}
+
+// origin (x: column, y: row) in elements; `transpose` reads rows as columns
+template <typename T, int C, int R, typename P>
+void simdgroup_load(simdgroup_matrix<T, C, R>& m, const P* src, long elements_per_row = C,
+                    vec<uint64_t, 2> origin = vec<uint64_t, 2>(0), bool transpose = false) {
+  simd_rendezvous("simdgroup_load");
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const long row = static_cast<long>(origin.y) + (transpose ? c : r);
+      const long col = static_cast<long>(origin.x) + (transpose ? r : c);
+      m.e[r * C + c] = static_cast<T>(src[row * elements_per_row + col]);
+    }
+}
+
+template <typename T, int C, int R, typename P>
+void simdgroup_store(const simdgroup_matrix<T, C, R>& m, P* dst, long elements_per_row = C,
+                     vec<uint64_t, 2> origin = vec<uint64_t, 2>(0), bool transpose = false) {
+  for (int r = 0; r < R; ++r)  // every lane writes the same tile
+    for (int c = 0; c < C; ++c) {
+      const long row = static_cast<long>(origin.y) + (transpose ? c : r);
+      const long col = static_cast<long>(origin.x) + (transpose ? r : c);
+      dst[row * elements_per_row + col] = static_cast<P>(m.e[r * C + c]);
+    }
+  simd_rendezvous("simdgroup_store");
+}
+
+// d = a * b + c, each element summed over k in order, in float
+template <typename TD, typename TA, typename TB, typename TC, int N>
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d,
+                                   const simdgroup_matrix<TA, N, N>& a,
+                                   const simdgroup_matrix<TB, N, N>& b,
+                                   const simdgroup_matrix<TC, N, N>& c) {
+  simdgroup_matrix<TD, N, N> out;
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j) {
+      float acc = static_cast<float>(c.e[i * N + j]);
+      for (int k = 0; k < N; ++k)
+        acc += static_cast<float>(a.e[i * N + k]) * static_cast<float>(b.e[k * N + j]);
+      out.e[i * N + j] = static_cast<TD>(acc);
+    }
+  d = out;
+}
+
+template <typename TD, typename TA, typename TB, int N>
+void simdgroup_multiply(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
+                        const simdgroup_matrix<TB, N, N>& b) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, N, N>(TD(0)));
+}
+
+using std::is_same;
+inline bool isfinite(float x) { return std::isfinite(x); }
+inline bool isnan(float x) { return std::isnan(x); }
+inline bool isinf(float x) { return std::isinf(x); }
+
 }  // namespace metal
 
 // ---- address spaces and attributes: no meaning on the CPU ----
 #define device
-#define constant
+#define constant const  // the constant address space is read-only
 #define threadgroup
 #define thread
 #define kernel

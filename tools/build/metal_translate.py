@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The kernel files the emulated device runs (the others' kernels raise "not translated yet").
-KERNEL_FILES = ["norm.metal", "mul_mv.metal"]
+KERNEL_FILES = ["norm.metal", "mul_mv.metal", "mul_mm.metal", "quantize.metal"]
 
 BUILTINS = {
     "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
@@ -112,10 +112,19 @@ def inline_includes(source: str, folders: list[Path], seen: set[str] | None = No
     return _QUOTE_INCLUDE.sub(one, source)
 
 
+def _after_template_header(before: str) -> bool:
+    """Whether a kernel definition preceded by `before` is a template (`template <...>`, maybe with a
+    line comment after it)."""
+    tail = re.sub(r"//[^\n]*", "", before[-400:]).rstrip()
+    return tail.endswith(">")
+
+
 def translate(source: str, name: str) -> str:
     """One .metal file (its quoted includes inlined) as a C++ translation unit for the emulator."""
     # GNU range initialisers (`float s[N] = { [0 ... N-1] = v };`, C only): a fill loop
     source = _RANGE_INIT.sub(lambda m: f"{m.group(1)} {m.group(2)}[{m.group(3)}]; for (auto& gk_e : {m.group(2)}) gk_e = {m.group(4)};", source)
+    # `constant` is `const` on the CPU (msl.h): `const constant T` would say it twice
+    source = re.sub(r"\bconst\s+constant\b|\bconstant\s+const\b", "constant", source)
     source = _HALF_LITERAL.sub(lambda m: f"((half) {m.group(1)}{m.group(2) or ''}f)" if "." in m.group(1) or m.group(2)
                                else f"((half) {m.group(1)}.0f)", source)
     text = _FUNCTION_CONSTANT.sub(lambda m: f"{m.group(1)}GK_FUNCTION_CONSTANT({m.group(2)}, {m.group(3)}, {m.group(4)})", source)
@@ -129,7 +138,7 @@ def translate(source: str, name: str) -> str:
         kernels[function] = Kernel(function, _param_kinds(_split_params(text[m.end() : close]), f"{name}: {function}"))
         if m.group(2):
             instances.append((m.group(2), function, ""))
-        elif not text[: m.start()].rstrip().endswith(">"):  # a plain kernel: its name is its host name
+        elif not _after_template_header(text[: m.start()]):  # a plain kernel: its name is its host name
             instances.append((function, function, ""))
         # the signature without its attributes (read above; some name address spaces)
         out.append(text[pos : m.start()] + "void " + function + "(" + re.sub(r"\[\[.*?\]\]", "", text[m.end() : close]))

@@ -37,6 +37,8 @@ _SIGNATURES = {  # name -> (restype, argtypes), as ggml.h / ggml-backend.h / ggm
     "ggml_row_size": (ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]),
     "ggml_nbytes": (ctypes.c_size_t, [_P]),
     "ggml_mul_mat": (_P, [_P, _P, _P]),
+    "ggml_mul_mat_id": (_P, [_P, _P, _P, _P]),
+    "ggml_get_rows": (_P, [_P, _P, _P]),
     "ggml_mul": (_P, [_P, _P, _P]),
     "ggml_rms_norm": (_P, [_P, _P, ctypes.c_float]),
     "ggml_l2_norm": (_P, [_P, _P, ctypes.c_float]),
@@ -90,6 +92,12 @@ class Graph:
 
     def mul_mat(self, a, b):
         return self.lib.ggml_mul_mat(self.ctx, a, b)
+
+    def mul_mat_id(self, experts, x, ids):
+        return self.lib.ggml_mul_mat_id(self.ctx, experts, x, ids)
+
+    def get_rows(self, table, rows):
+        return self.lib.ggml_get_rows(self.ctx, table, rows)
 
     def rms_norm(self, x, eps: float = 1e-6):
         return self.lib.ggml_rms_norm(self.ctx, x, eps)
