@@ -3,6 +3,11 @@
 
 #include <ucontext.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define GK_FIBER_ASAN 1  // AddressSanitizer is told about every stack switch
+#endif
+
 #include <atomic>
 #include <cstdlib>
 #include <exception>
@@ -30,6 +35,7 @@ enum class State { Runnable, AtCollective, AtBarrier, Done };
 
 struct Fiber {
   ucontext_t context;
+  void* stack = nullptr;
   ThreadContext thread;
   State state = State::Runnable;
   // the collective it waits at
@@ -48,14 +54,46 @@ struct Threadgroup {
   KernelEntry entry = nullptr;
   const char* kernel = nullptr;
   std::exception_ptr error;
+  const void* scheduler_stack = nullptr;  // for AddressSanitizer's fiber switches
+  size_t scheduler_stack_size = 0;
 };
 
 thread_local Threadgroup* t_group = nullptr;
 thread_local std::vector<std::unique_ptr<uint8_t[]>> t_stacks;  // reused across threadgroups
 std::atomic<Schedule> g_schedule{Schedule::Forward};
 
+// scheduler -> fiber
+void switch_to_fiber(Threadgroup& g, Fiber& f) {
+#if GK_FIBER_ASAN
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(&fake_stack, f.stack, kStackBytes);
+#endif
+  swapcontext(&g.scheduler, &f.context);
+#if GK_FIBER_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+}
+
+// fiber -> scheduler: a yield, or the fiber's end (`finished`: its stack is not coming back)
+void switch_to_scheduler(Threadgroup& g, Fiber& f, bool finished) {
+#if GK_FIBER_ASAN
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(finished ? nullptr : &fake_stack, g.scheduler_stack,
+                                 g.scheduler_stack_size);
+#else
+  (void)finished;
+#endif
+  swapcontext(&f.context, &g.scheduler);
+#if GK_FIBER_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack, &g.scheduler_stack, &g.scheduler_stack_size);
+#endif
+}
+
 void fiber_main() {
   Threadgroup& g = *t_group;
+#if GK_FIBER_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &g.scheduler_stack, &g.scheduler_stack_size);
+#endif
   Fiber& f = g.fibers[g.running];
   try {
     g.entry(f.thread);
@@ -63,12 +101,12 @@ void fiber_main() {
     g.error = std::current_exception();
   }
   f.state = State::Done;
-  swapcontext(&f.context, &g.scheduler);
+  switch_to_scheduler(g, f, true);
 }
 
 void yield_to_scheduler() {
   Threadgroup& g = *t_group;
-  swapcontext(&g.fibers[g.running].context, &g.scheduler);
+  switch_to_scheduler(g, g.fibers[g.running], false);
 }
 
 // Resolves every SIMD group whose live lanes all wait at a collective; returns whether any did.
@@ -174,7 +212,8 @@ void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, 
     f.thread.index = i, f.thread.simdgroup = i / kSimdWidth, f.thread.lane = i % kSimdWidth;
     f.thread.simdgroups = (threads + kSimdWidth - 1) / kSimdWidth;
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = t_stacks[i].get();
+    f.stack = t_stacks[i].get();
+    f.context.uc_stack.ss_sp = f.stack;
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_main, 0);
@@ -188,7 +227,7 @@ void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, 
       for (size_t i : order) {
         if (g.fibers[i].state != State::Runnable) continue;
         g.running = i;
-        swapcontext(&g.scheduler, &g.fibers[i].context);
+        switch_to_fiber(g, g.fibers[i]);
         ran = true;
         if (g.error) std::rethrow_exception(g.error);
       }
