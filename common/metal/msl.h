@@ -90,30 +90,44 @@ struct is_vec : std::false_type {};
 template <typename T, int N>
 struct is_vec<vec<T, N>> : std::true_type {};
 
-#define GK_VEC_BINARY(OP)                                                                  \
+// element-wise operators: R is the element type of the result (T, or bool for comparisons)
+#define GK_VEC_ELEMENTWISE(OP, R)                                                          \
   template <typename T, int N>                                                             \
-  vec<T, N> operator OP(const vec<T, N>& a, const vec<T, N>& b) {                          \
-    vec<T, N> r;                                                                           \
+  vec<R, N> operator OP(const vec<T, N>& a, const vec<T, N>& b) {                          \
+    vec<R, N> r;                                                                           \
     for (int i = 0; i < N; ++i) r.v[i] = a.v[i] OP b.v[i];                                 \
     return r;                                                                              \
   }                                                                                        \
   template <typename T, int N, typename S, typename = std::enable_if_t<!is_vec<S>::value>> \
-  vec<T, N> operator OP(const vec<T, N>& a, S b) {                                         \
+  vec<R, N> operator OP(const vec<T, N>& a, S b) {                                         \
     return a OP vec<T, N>(static_cast<T>(b));                                              \
   }                                                                                        \
   template <typename T, int N, typename S, typename = std::enable_if_t<!is_vec<S>::value>> \
-  vec<T, N> operator OP(S a, const vec<T, N>& b) {                                         \
+  vec<R, N> operator OP(S a, const vec<T, N>& b) {                                         \
     return vec<T, N>(static_cast<T>(a)) OP b;                                              \
-  }                                                                                        \
-  template <typename T, int N, typename S>                                                 \
-  vec<T, N>& operator OP## = (vec<T, N> & a, const S& b) {                                 \
-    return a = a OP b;                                                                     \
   }
-GK_VEC_BINARY(+)
-GK_VEC_BINARY(-)
-GK_VEC_BINARY(*)
-GK_VEC_BINARY(/)
-#undef GK_VEC_BINARY
+GK_VEC_ELEMENTWISE(+, T)
+GK_VEC_ELEMENTWISE(-, T)
+GK_VEC_ELEMENTWISE(*, T)
+GK_VEC_ELEMENTWISE(/, T)
+GK_VEC_ELEMENTWISE(<, bool)
+GK_VEC_ELEMENTWISE(>, bool)
+GK_VEC_ELEMENTWISE(<=, bool)
+GK_VEC_ELEMENTWISE(>=, bool)
+GK_VEC_ELEMENTWISE(==, bool)
+GK_VEC_ELEMENTWISE(!=, bool)
+#undef GK_VEC_ELEMENTWISE
+
+#define GK_VEC_ASSIGN(OP)                                  \
+  template <typename T, int N, typename S>                 \
+  vec<T, N>& operator OP## = (vec<T, N> & a, const S& b) { \
+    return a = a OP b;                                     \
+  }
+GK_VEC_ASSIGN(+)
+GK_VEC_ASSIGN(-)
+GK_VEC_ASSIGN(*)
+GK_VEC_ASSIGN(/)
+#undef GK_VEC_ASSIGN
 
 template <typename T, int N>
 vec<T, N> operator-(const vec<T, N>& a) {
@@ -254,7 +268,47 @@ GK_UNARY(floor, std::floor(x))
 GK_UNARY(ceil, std::ceil(x))
 GK_UNARY(round, std::round(x))
 GK_UNARY(sign, (x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f)))
+GK_UNARY(sin, std::sin(x))
+GK_UNARY(cos, std::cos(x))
+GK_UNARY(log2, std::log2(x))
+GK_UNARY(exp2, std::exp2(x))
+GK_UNARY(erf, std::erf(x))
+GK_UNARY(trunc, std::trunc(x))
+GK_UNARY(log1p, std::log1p(x))
+GK_UNARY(expm1, std::expm1(x))
 #undef GK_UNARY
+
+#define GK_BINARY(NAME, EXPR)                                                                \
+  inline float NAME(float x, float y) { return EXPR; }                                       \
+  template <typename T, int N>                                                               \
+  vec<T, N> NAME(const vec<T, N>& a, const vec<T, N>& b) {                                   \
+    vec<T, N> r;                                                                             \
+    for (int i = 0; i < N; ++i)                                                              \
+      r.v[i] = static_cast<T>(NAME(static_cast<float>(a.v[i]), static_cast<float>(b.v[i]))); \
+    return r;                                                                                \
+  }                                                                                          \
+  template <typename T, int N, typename S, typename = std::enable_if_t<!is_vec<S>::value>>   \
+  vec<T, N> NAME(const vec<T, N>& a, S b) {                                                  \
+    return NAME(a, vec<T, N>(static_cast<T>(b)));                                            \
+  }                                                                                          \
+  template <typename T, int N, typename S, typename = std::enable_if_t<!is_vec<S>::value>>   \
+  vec<T, N> NAME(S a, const vec<T, N>& b) {                                                  \
+    return NAME(vec<T, N>(static_cast<T>(a)), b);                                            \
+  }
+GK_BINARY(pow, std::pow(x, y))
+GK_BINARY(powr, std::pow(x, y))
+GK_BINARY(fmax, std::fmax(x, y))
+GK_BINARY(fmin, std::fmin(x, y))
+GK_BINARY(fmod, std::fmod(x, y))
+#undef GK_BINARY
+
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+template <typename T, int N>
+vec<T, N> fma(const vec<T, N>& a, const vec<T, N>& b, const vec<T, N>& c) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
 
 template <typename T, int N>
 T dot(const vec<T, N>& a, const vec<T, N>& b) {
@@ -275,6 +329,27 @@ template <typename T>
 T clamp(T x, T lo, T hi) {
   return min(max(x, lo), hi);
 }
+template <typename T, int N>
+vec<T, N> min(const vec<T, N>& a, const vec<T, N>& b) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = min(a.v[i], b.v[i]);
+  return r;
+}
+template <typename T, int N>
+vec<T, N> max(const vec<T, N>& a, const vec<T, N>& b) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = max(a.v[i], b.v[i]);
+  return r;
+}
+template <typename T, int N, typename S>
+vec<T, N> clamp(const vec<T, N>& x, S lo, S hi) {
+  return min(max(x, vec<T, N>(static_cast<T>(lo))), vec<T, N>(static_cast<T>(hi)));
+}
+
+#define M_PI_F 3.14159265358979323846f
+#define M_SQRT2_F 1.41421356237309504880f
+#define MAXHALF 65504.0f
+#define HALF_MAX 65504.0f
 
 namespace precise {
 using metal::exp;
@@ -394,6 +469,65 @@ GK_REDUCTION(simd_sum, Add)
 GK_REDUCTION(simd_max, Max)
 GK_REDUCTION(simd_min, Min)
 #undef GK_REDUCTION
+
+// ---- atomics: the fibers of a dispatch run on one OS thread, one at a time ----
+enum memory_order { memory_order_relaxed };
+template <typename T>
+struct atomic {
+  T value;
+};
+typedef atomic<int> atomic_int;
+typedef atomic<uint> atomic_uint;
+template <typename T, typename U>
+T atomic_fetch_add_explicit(volatile atomic<T>* a, U v, memory_order) {
+  const T old = a->value;
+  a->value = old + static_cast<T>(v);
+  return old;
+}
+template <typename T, typename U>
+void atomic_store_explicit(volatile atomic<T>* a, U v, memory_order) {
+  a->value = static_cast<T>(v);
+}
+template <typename T>
+T atomic_load_explicit(volatile atomic<T>* a, memory_order) {
+  return a->value;
+}
+template <typename T, typename U>
+T atomic_fetch_max_explicit(volatile atomic<T>* a, U v, memory_order) {
+  const T old = a->value;
+  if (static_cast<T>(v) > old) a->value = static_cast<T>(v);
+  return old;
+}
+
+// ---- SIMD prefix sums: lane i gets the sum of the live lanes before it (inclusive: and itself)
+// ----
+namespace detail {
+template <typename T, bool Inclusive>
+void prefix_sum(const uint8_t* in, const bool* alive, uint8_t* out, size_t size, int) {
+  T acc{};
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
+    T v;
+    std::memcpy(&v, in + lane * size, size);
+    if (!Inclusive) std::memcpy(out + lane * size, &acc, size);
+    if (alive[lane]) acc = acc + v;
+    if (Inclusive) std::memcpy(out + lane * size, &acc, size);
+  }
+}
+}  // namespace detail
+template <typename T>
+T simd_prefix_inclusive_sum(T v) {
+  T r;
+  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::prefix_sum<T, true>, 0,
+                                            "simd_prefix_inclusive_sum");
+  return r;
+}
+template <typename T>
+T simd_prefix_exclusive_sum(T v) {
+  T r;
+  ggml_kernels::metal::emu::simd_collective(&v, &r, sizeof(T), &detail::prefix_sum<T, false>, 0,
+                                            "simd_prefix_exclusive_sum");
+  return r;
+}
 
 // ---- SIMD-group matrices ----
 // Every lane holds the whole 8x8 tile (row-major) and computes whole products itself: the same

@@ -22,8 +22,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# The kernel files the emulated device runs (the others' kernels raise "not translated yet").
-KERNEL_FILES = ["norm.metal", "mul_mv.metal", "mul_mm.metal", "quantize.metal"]
+# The kernel files the emulated device runs (the others' kernels raise "not translated yet"); the
+# translations compile, and tests/test_metal_host.py runs the kernels the packages use.
+KERNEL_FILES = [
+    "argsort.metal", "binbcast.metal", "conv.metal", "gated_delta_net.metal", "misc.metal", "mul_mm.metal",
+    "mul_mv.metal", "norm.metal", "pool.metal", "quantize.metal", "reduce.metal", "rope.metal", "softmax.metal",
+    "solve_tri.metal", "ssm.metal", "tri.metal", "unary.metal", "upscale.metal", "wkv.metal",
+]  # next: the flash-attention files (fa_*.metal, issue 16)
 
 BUILTINS = {
     "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
@@ -39,8 +44,12 @@ BUILTINS = {
 }
 
 _FUNCTION_CONSTANT = re.compile(r"^(\s*)constant\s+([\w:]+)\s+(\w+)\s*\[\[\s*function_constant\((.*?)\)\s*\]\]\s*;", re.M)
-_INSTANCE = re.compile(r"template\s*\[\[\s*host_name\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*kernel\s+[\w:]+\s+(\w+)\s*<(.*?)>\s*;", re.S)
+# `template [[host_name("N")]] kernel T f<A>;`, or with the whole signature: `kernel void f<A>(...);`
+_INSTANCE = re.compile(
+    r"template\s*\[\[\s*host_name\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*kernel\s+[\w:]+\s+(\w+)\s*<([^;{}()]*?)>\s*(?:\([^;{}]*\))?\s*;"
+)
 _KERNEL = re.compile(r"(\[\[\s*host_name\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*)?\bkernel\s+void\s+(\w+)\s*\(")
+_ATTRIBUTES = re.compile(r"\[\[\s*\w+\s*(?:\([^\]\[]*\))?\s*\]\]")
 _ATTRIBUTE = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]\s*$")
 
 
@@ -119,12 +128,38 @@ def _after_template_header(before: str) -> bool:
     return tail.endswith(">")
 
 
+def prune_literal_conditionals(source: str) -> str:
+    """Drop the dead branch of `#if 0` / `#if 1` blocks (upstream keeps alternative kernels there), so
+    that the kernel signatures read below are the compiled ones. Other conditionals stay."""
+    out, stack = [], []  # stack: (literal or None, in_else)
+    for line in source.splitlines(keepends=True):
+        stripped = line.strip()
+        m = re.match(r"#\s*if\s+([01])\s*(//.*)?$", stripped)
+        if m or re.match(r"#\s*if(n?def)?\b", stripped):
+            stack.append([int(m.group(1)) if m else None, False])
+            if m:
+                continue
+        elif re.match(r"#\s*else\b", stripped) and stack:
+            stack[-1][1] = True
+            if stack[-1][0] is not None:
+                continue
+        elif re.match(r"#\s*endif\b", stripped) and stack:
+            literal = stack.pop()[0]
+            if literal is not None:
+                continue
+        live = all(lit is None or (lit == 1) != in_else for lit, in_else in stack)
+        if live:
+            out.append(line)
+    return "".join(out)
+
+
 def translate(source: str, name: str) -> str:
     """One .metal file (its quoted includes inlined) as a C++ translation unit for the emulator."""
+    source = prune_literal_conditionals(source)
     # GNU range initialisers (`float s[N] = { [0 ... N-1] = v };`, C only): a fill loop
     source = _RANGE_INIT.sub(lambda m: f"{m.group(1)} {m.group(2)}[{m.group(3)}]; for (auto& gk_e : {m.group(2)}) gk_e = {m.group(4)};", source)
     # `constant` is `const` on the CPU (msl.h): `const constant T` would say it twice
-    source = re.sub(r"\bconst\s+constant\b|\bconstant\s+const\b", "constant", source)
+    source = re.sub(r"\bconst[ \t]+constant\b|\bconstant[ \t]+const\b", "constant", source)
     source = _HALF_LITERAL.sub(lambda m: f"((half) {m.group(1)}{m.group(2) or ''}f)" if "." in m.group(1) or m.group(2)
                                else f"((half) {m.group(1)}.0f)", source)
     text = _FUNCTION_CONSTANT.sub(lambda m: f"{m.group(1)}GK_FUNCTION_CONSTANT({m.group(2)}, {m.group(3)}, {m.group(4)})", source)
@@ -144,7 +179,8 @@ def translate(source: str, name: str) -> str:
         out.append(text[pos : m.start()] + "void " + function + "(" + re.sub(r"\[\[.*?\]\]", "", text[m.end() : close]))
         pos = close
     out.append(text[pos:])
-    body = "".join(out)
+    # attributes left elsewhere (kernel function typedefs): read nowhere, and some name address spaces
+    body = _ATTRIBUTES.sub("", "".join(out))
     # each file is its own Metal library: in one unnamed namespace, its globals clash with no other's
     return _prelude(name) + "namespace {\n" + body + _registry(name, kernels, instances) + "}  // namespace\n"
 

@@ -40,6 +40,9 @@ _SIGNATURES = {  # name -> (restype, argtypes), as ggml.h / ggml-backend.h / ggm
     "ggml_mul_mat_id": (_P, [_P, _P, _P, _P]),
     "ggml_get_rows": (_P, [_P, _P, _P]),
     "ggml_mul": (_P, [_P, _P, _P]),
+    "ggml_add": (_P, [_P, _P, _P]),
+    "ggml_silu": (_P, [_P, _P]),
+    "ggml_flash_attn_ext": (_P, [_P, _P, _P, _P, _P, ctypes.c_float, ctypes.c_float, ctypes.c_float]),
     "ggml_rms_norm": (_P, [_P, _P, ctypes.c_float]),
     "ggml_l2_norm": (_P, [_P, _P, ctypes.c_float]),
     "ggml_new_graph": (_P, [_P]),
@@ -107,6 +110,15 @@ class Graph:
 
     def mul(self, a, b):
         return self.lib.ggml_mul(self.ctx, a, b)
+
+    def add(self, a, b):
+        return self.lib.ggml_add(self.ctx, a, b)
+
+    def silu(self, x):
+        return self.lib.ggml_silu(self.ctx, x)
+
+    def flash_attn(self, q, k, v, mask=None, scale: float = 1.0):
+        return self.lib.ggml_flash_attn_ext(self.ctx, q, k, v, mask, scale, 0.0, 0.0)
 
 
 class MetalHost:
