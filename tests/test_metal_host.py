@@ -307,3 +307,30 @@ def test_mul_mat_id_runs_on_the_emulated_device(host, tokens, used, kernels):
     tol = 2e-3 if "mm_id" in kernels[-1] else 1e-5
     np.testing.assert_allclose(y, ref, rtol=0, atol=tol * np.abs(ref).max())
     assert forward.output == reverse.output
+
+
+def hadamard(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix over sqrt(n) (orthonormal)."""
+    h = np.array([[1.0]])
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+@pytest.mark.parametrize("n", [256, 2048])
+def test_hadamard_product_and_a_kernel_scope_threadgroup_array(host, n):
+    """A product hinted GGML_HINT_SRC0_IS_HADAMARD runs as a fast Walsh-Hadamard transform
+    (misc.metal): 256 within SIMD groups, 2048 through `threadgroup float shmem[N]` declared inside
+    the kernel, which must be the threadgroup's one array (a per-thread copy would scramble it).
+    log2(n) butterfly stages in float32: 1e-5 absolute on unit-scale outputs (observed 1.6e-6)."""
+    h = hadamard(n).astype(np.float32)
+    x = np.random.default_rng(n).standard_normal((2, n)).astype(np.float32)
+
+    def build(g):
+        return g.mul_mat_hadamard(g.input(F32, h.tobytes(), n, n), g.input(F32, x.tobytes(), n, 2))
+
+    forward, reverse = ran(host, build), ran(host, build, reverse_lanes=True)
+    assert [d["kernel"] for d in forward.dispatches] == [f"kernel_fwht_f32_{n}"]
+    y = np.frombuffer(forward.output, np.float32).reshape(2, n)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ h.T.astype(np.float64), rtol=0, atol=1e-5)
+    assert forward.output == reverse.output

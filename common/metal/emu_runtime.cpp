@@ -56,6 +56,7 @@ struct Threadgroup {
   std::exception_ptr error;
   const void* scheduler_stack = nullptr;  // for AddressSanitizer's fiber switches
   size_t scheduler_stack_size = 0;
+  std::map<int, std::unique_ptr<uint8_t[]>> locals;  // kernel-scope threadgroup arrays
 };
 
 thread_local Threadgroup* t_group = nullptr;
@@ -192,6 +193,15 @@ void simd_collective(const void* value, void* result, size_t size, Reduce reduce
 void threadgroup_barrier() {
   t_group->fibers[t_group->running].state = State::AtBarrier;
   yield_to_scheduler();
+}
+
+void* threadgroup_local(int id, size_t bytes) {
+  auto& slot = t_group->locals[id];
+  if (!slot) {
+    slot.reset(new uint8_t[bytes]);
+    std::memset(slot.get(), 0xff, bytes);
+  }
+  return slot.get();
 }
 
 void set_schedule(Schedule s) { g_schedule.store(s); }

@@ -77,6 +77,11 @@ void simd_collective(const void* value, void* result, size_t size, Reduce reduce
                      const char* what);
 void threadgroup_barrier();
 
+// Storage of `bytes` shared by every thread of the running threadgroup, for a kernel-scope
+// `threadgroup T x[N];` declaration (`id` unique per declaration in its translation unit); filled
+// with 0xff when first asked for (threadgroup memory starts undefined on a GPU).
+void* threadgroup_local(int id, size_t bytes);
+
 // Lane order in which runnable fibers resume: forward or reverse within each SIMD group.
 enum class Schedule { Forward, Reverse };
 void set_schedule(Schedule s);

@@ -665,6 +665,12 @@ void invoke(void (*f)(A...), const ThreadContext& c, const Param* p) {
 
 }  // namespace ggml_kernels::metal::emu
 
+// A kernel-scope `threadgroup T x[N];`: a reference to the running threadgroup's shared array.
+template <typename A>
+A& gk_threadgroup_local(int id) {
+  return *static_cast<A*>(ggml_kernels::metal::emu::threadgroup_local(id, sizeof(A)));
+}
+
 // A function constant: a per-thread global the executor sets before each dispatch.
 #define GK_FUNCTION_CONSTANT(TYPE, NAME, INDEX)                        \
   static thread_local TYPE NAME;                                       \

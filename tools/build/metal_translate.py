@@ -10,6 +10,8 @@ gives the library and makes the address spaces vanish, so what is left to rewrit
 - each `[[host_name("...")]]` instance, explicit (`template [[host_name(N)]] kernel T f<A>;`) or on
   a kernel definition, and each plain (non-template) kernel under its own name, becomes an entry of
   the emulator's kernel registry that binds those parameters from a dispatch and calls it;
+- kernel-scope `threadgroup T x[N];` arrays become references to storage shared by the running
+  threadgroup (`gk_threadgroup_local`), not per-thread locals;
 - GNU range initialisers (C only) become fill loops, `1.0h` half literals casts, and every file
   sits in its own unnamed namespace (each .metal file is its own Metal library).
 `python -m tools.build.metal_translate <file.metal>` prints one translation.
@@ -96,6 +98,7 @@ def _param_kinds(params: list[str], where: str) -> list[tuple[str, int | str]]:
     return kinds
 
 
+_THREADGROUP_ARRAY = re.compile(r"^(\s*)threadgroup\s+([\w:]+)\s+(\w+)\s*((?:\[[^\]]+\])+)\s*;", re.M)
 _HALF_LITERAL = re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?h\b")
 
 
@@ -158,6 +161,11 @@ def translate(source: str, name: str) -> str:
     source = prune_literal_conditionals(source)
     # GNU range initialisers (`float s[N] = { [0 ... N-1] = v };`, C only): a fill loop
     source = _RANGE_INIT.sub(lambda m: f"{m.group(1)} {m.group(2)}[{m.group(3)}]; for (auto& gk_e : {m.group(2)}) gk_e = {m.group(4)};", source)
+    # kernel-scope `threadgroup T x[N];`: the threadgroup's one shared array, not a per-thread local
+    counter = iter(range(1 << 30))
+    source = _THREADGROUP_ARRAY.sub(
+        lambda m: f"{m.group(1)}{m.group(2)} (&{m.group(3)}){m.group(4)} = gk_threadgroup_local<{m.group(2)}{m.group(4)}>({next(counter)});",
+        source)
     # `constant` is `const` on the CPU (msl.h): `const constant T` would say it twice
     source = re.sub(r"\bconst[ \t]+constant\b|\bconstant[ \t]+const\b", "constant", source)
     source = _HALF_LITERAL.sub(lambda m: f"((half) {m.group(1)}{m.group(2) or ''}f)" if "." in m.group(1) or m.group(2)

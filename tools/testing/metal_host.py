@@ -38,6 +38,7 @@ _SIGNATURES = {  # name -> (restype, argtypes), as ggml.h / ggml-backend.h / ggm
     "ggml_nbytes": (ctypes.c_size_t, [_P]),
     "ggml_mul_mat": (_P, [_P, _P, _P]),
     "ggml_mul_mat_id": (_P, [_P, _P, _P, _P]),
+    "ggml_mul_mat_set_hint": (None, [_P, ctypes.c_int]),
     "ggml_get_rows": (_P, [_P, _P, _P]),
     "ggml_mul": (_P, [_P, _P, _P]),
     "ggml_add": (_P, [_P, _P, _P]),
@@ -95,6 +96,12 @@ class Graph:
 
     def mul_mat(self, a, b):
         return self.lib.ggml_mul_mat(self.ctx, a, b)
+
+    def mul_mat_hadamard(self, h, x):
+        """A product whose src0 the caller declares a Hadamard matrix (GGML_HINT_SRC0_IS_HADAMARD)."""
+        out = self.lib.ggml_mul_mat(self.ctx, h, x)
+        self.lib.ggml_mul_mat_set_hint(out, 1)
+        return out
 
     def mul_mat_id(self, experts, x, ids):
         return self.lib.ggml_mul_mat_id(self.ctx, experts, x, ids)
