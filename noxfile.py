@@ -160,7 +160,8 @@ def bench(session: nox.Session) -> None:
     """Every package's benchmarks/ under kernels' own runner (`kernels benchmark <package folder>`): ours
     against ggml's own op, transformers and the reference, checked against the reference as they run.
     Writes bench-results/<package>.json (the runner's) and .md (tools/bench/kernels_table.py).
-    -- --quick: fewer workloads and calls; -- <package> ...: only those packages."""
+    Also bench-results/metal-emu.md: ops on the emulated Metal device (tools/bench/metal_emu.py).
+    -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those."""
     _install(session, TORCH[0], *TEST_DEPS)
     _install_llama_cpp(session)
     _build(session)
@@ -174,7 +175,12 @@ def bench(session: nox.Session) -> None:
     calls = ["--iterations", "5", "--warmup", "2"] if quick else []
     if quick:
         env["GGML_KERNELS_BENCH_QUICK"] = "1"
-    for package in wanted or packages:
+    if not wanted or "metal-emu" in wanted:  # the emulated Metal device's ops (tools/bench/metal_emu.py)
+        table = session.run("python", "-m", "tools.bench.metal_emu", *(["--calls", "2"] if quick else []),
+                            silent=True, env=env)
+        (out / "metal-emu.md").write_text(table)
+        print(table)
+    for package in [p for p in (wanted or packages) if p != "metal-emu"]:
         result = out / f"{package}.json"
         command = ["kernels", "benchmark", f"./packages/{package}", *calls]
         session.run(*command, "--output", str(result), env=env)
