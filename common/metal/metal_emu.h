@@ -8,9 +8,10 @@
 // pipeline by its kernel name and function-constant values, a buffer by a virtual address range
 // that is not a host pointer (host code that dereferences a tensor's data fails, as it would on a
 // private GPU buffer), and the work of a command buffer by the dispatches its encoders record. What
-// runs a dispatch is an executor behind `Executor`: today the recorder (kernel choices, grids and
-// bindings, for tests and `metal_dispatches()`); the emulated device (upstream's shaders translated
-// to C++) and the macOS device on torch's MPS stream implement the same interface.
+// runs a dispatch is an executor behind `Executor`: on Linux every dispatch is logged (kernel
+// choices, grids and bindings, for tests and `metal_dispatches()`) and then run by the emulated
+// device (emu_executor.cpp: upstream's shaders translated to C++); a macOS device on torch's MPS
+// stream would implement the same interface.
 #pragma once
 
 #include <cstddef>
