@@ -1,7 +1,11 @@
-// Fibers for the emulated device's GPU threads (ucontext), and their rendezvous points.
+// Fibers for the emulated device's GPU threads, and their rendezvous points. On x86-64 a fiber
+// switch is a few instructions of ours (callee-saved registers, the stack pointer, the SSE and x87
+// control words); elsewhere ucontext, whose swapcontext also saves the signal mask (a system call).
 #include "emu_runtime.h"
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -28,13 +32,80 @@ std::multimap<int32_t, ConstantSetter>& constant_setters() {
 
 namespace {
 
+#if defined(__x86_64__)
+// gk_fiber_switch(&from_sp, to_sp): saves the running context on its stack, stores the stack
+// pointer in *from_sp, and resumes the context saved at to_sp.
+extern "C" void gk_fiber_switch(void** from_sp, void* to_sp);
+asm(R"(
+.text
+.p2align 4
+.type gk_fiber_switch, @function
+gk_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size gk_fiber_switch, .-gk_fiber_switch
+.section .note.GNU-stack,"",@progbits
+.text
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+
+// A fresh context that starts `entry` (which never returns) on [stack, stack + size).
+void context_init(Context& c, void* stack, size_t size, void (*entry)()) {
+  auto top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t{15};
+  auto* slot = reinterpret_cast<uint64_t*>(top);
+  *--slot = 0;  // entry's return address: never used; keeps the call alignment (rsp % 16 == 8)
+  *--slot = reinterpret_cast<uint64_t>(entry);  // where gk_fiber_switch's ret lands
+  for (int i = 0; i < 6; ++i) *--slot = 0;      // rbp, rbx, r12-r15
+  *--slot = 0x037F'00001F80ull;                 // x87 control word (high half), MXCSR (low half)
+  c.sp = slot;
+}
+
+void context_switch(Context& from, Context& to) { gk_fiber_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+void context_init(Context& c, void* stack, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+
+void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 constexpr size_t kStackBytes = size_t{256} << 10;
 constexpr size_t kMaxValueBytes = 256;  // the largest value a collective passes (a float4x4 is 64)
 
 enum class State { Runnable, AtCollective, AtBarrier, Done };
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   void* stack = nullptr;
   ThreadContext thread;
   State state = State::Runnable;
@@ -49,7 +120,7 @@ struct Fiber {
 
 struct Threadgroup {
   std::vector<Fiber> fibers;
-  ucontext_t scheduler;
+  Context scheduler;
   size_t running = 0;
   KernelEntry entry = nullptr;
   const char* kernel = nullptr;
@@ -69,7 +140,7 @@ void switch_to_fiber(Threadgroup& g, Fiber& f) {
   void* fake_stack = nullptr;
   __sanitizer_start_switch_fiber(&fake_stack, f.stack, kStackBytes);
 #endif
-  swapcontext(&g.scheduler, &f.context);
+  context_switch(g.scheduler, f.context);
 #if GK_FIBER_ASAN
   __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
@@ -84,7 +155,7 @@ void switch_to_scheduler(Threadgroup& g, Fiber& f, bool finished) {
 #else
   (void)finished;
 #endif
-  swapcontext(&f.context, &g.scheduler);
+  context_switch(f.context, g.scheduler);
 #if GK_FIBER_ASAN
   __sanitizer_finish_switch_fiber(fake_stack, &g.scheduler_stack, &g.scheduler_stack_size);
 #endif
@@ -221,12 +292,8 @@ void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, 
     for (int d = 0; d < 3; ++d) f.thread.tpig[d] = base.tgpig[d] * base.ntg[d] + f.thread.tpitg[d];
     f.thread.index = i, f.thread.simdgroup = i / kSimdWidth, f.thread.lane = i % kSimdWidth;
     f.thread.simdgroups = (threads + kSimdWidth - 1) / kSimdWidth;
-    getcontext(&f.context);
     f.stack = t_stacks[i].get();
-    f.context.uc_stack.ss_sp = f.stack;
-    f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = nullptr;
-    makecontext(&f.context, fiber_main, 0);
+    context_init(f.context, f.stack, kStackBytes, fiber_main);
   }
   Threadgroup* outer = t_group;
   t_group = &g;
