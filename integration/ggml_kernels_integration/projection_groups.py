@@ -77,13 +77,9 @@ class ProjectionGroup:
                     thread.kept = None
                 return out
             thread.kept = None
-        in_features = member.in_features
-        if not x.is_cpu or x.size(-1) != in_features or x.numel() > self.max_rows * in_features:
+        outs = self.outputs(x)
+        if outs is None:
             return None
-        # the members' current weights: `_parameters` directly, nn.Module's __getattr__ costs ~0.4 us each
-        weights = [m._parameters["weight"] for m in self.members]
-        types = [m.ggml_type for m in self.members]  # as they are now: `repacking` changes them
-        outs = self.mul_mat_group(weights, x, types, self.out_features)  # (..., N_i) each
         if x.dtype != torch.float32:
             outs = [out.to(x.dtype) for out in outs]
         result, outputs = None, {}
@@ -95,6 +91,18 @@ class ProjectionGroup:
         if outputs:
             thread.kept = (x, _version(x), outputs)
         return result
+
+
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every member's float32 output for `x` from one kernel call, or None where `x` is not a
+        CPU decode-step input of theirs."""
+        in_features = self.members[0].in_features
+        if not x.is_cpu or x.size(-1) != in_features or x.numel() > self.max_rows * in_features:
+            return None
+        # the members' current weights: `_parameters` directly, nn.Module's __getattr__ costs ~0.4 us each
+        weights = [m._parameters["weight"] for m in self.members]
+        types = [m.ggml_type for m in self.members]  # as they are now: `repacking` changes them
+        return self.mul_mat_group(weights, x, types, self.out_features)  # (..., N_i) each
 
 
 class GatedMLP:
@@ -109,13 +117,12 @@ class GatedMLP:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The MLP's output for `x`, or None where its own forward has to run."""
-        group, down = self.group, self.down
-        in_features = group.members[0].in_features
-        if x.dtype != torch.float32 or not x.is_cpu or x.size(-1) != in_features or x.numel() > group.max_rows * in_features:
+        outs = self.group.outputs(x) if x.dtype == torch.float32 else None
+        if outs is None:
             return None
-        weights = [m._parameters["weight"] for m in group.members]
-        gate, up = group.mul_mat_group(weights, x, [m.ggml_type for m in group.members], group.out_features)
+        gate, up = outs
         hidden = torch.nn.functional.silu(gate).mul_(up)
+        down = self.down
         return self.mul_mat_vec(down._parameters["weight"], hidden, down.ggml_type, down.out_features)
 
 

@@ -15,7 +15,6 @@
 //
 // causal_conv1d: ggml SSM_CONV's sums (+ SiLU), computed directly over blocks of channels (see
 // ConvCall), channels split over torch's threads.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -439,16 +438,6 @@ ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight,
   return {B, C, T, K, has_state ? state->size(2) : K, silu};
 }
 
-// One causal_conv1d call, computed here rather than by ggml's SSM_CONV: ggml walks one channel's
-// strided input row per output, a scalar chain of K products each (~0.2 ms of a 16-token,
-// 6144-channel Qwen3.5 prefill on 2 threads). The same sums, in the same order (taps 0..K-1 from
-// zero, then the bias), run here over blocks of kConvBlock channels token by token: x's (B, T, C)
-// rows are read as they lie and every step is one vector operation over a block. SiLU is torch's,
-// on the whole output.
-//
-// in_place: when the new state is the conv's whole input, [last K - 1 state columns | x]
-// (W == K - 1 + T: a decode step on transformers' K-wide cache), each range of channels is rolled
-// in place once its outputs are computed (`rolled_`): no new state tensor, no copy back.
 // x86-64: the loop below compiled for AVX-512, AVX2 and the baseline, picked when the library
 // loads.
 #if defined(__x86_64__)
@@ -525,6 +514,16 @@ VECTOR_CLONES void conv_channels(const ConvOperands& a, int64_t b, int64_t c0, i
   }
 }
 
+// One causal_conv1d call, computed here rather than by ggml's SSM_CONV: ggml walks one channel's
+// strided input row per output, a scalar chain of K products each (~0.2 ms of a 16-token,
+// 6144-channel Qwen3.5 prefill on 2 threads). The same sums, in the same order (taps 0..K-1 from
+// zero, then the bias), run here over blocks of kConvBlock channels token by token: x's (B, T, C)
+// rows are read as they lie and every step is one vector operation over a block. SiLU is torch's,
+// on the whole output.
+//
+// in_place: when the new state is the conv's whole input, [last K - 1 state columns | x]
+// (W == K - 1 + T: a decode step on transformers' K-wide cache), each range of channels is rolled
+// in place once its outputs are computed (`rolled_`): no new state tensor, no copy back.
 class ConvCall {
  public:
   ConvCall(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
