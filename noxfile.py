@@ -108,7 +108,7 @@ LINT_DEPS = ["ruff==0.17.6", "clang-format==23.1.5"]
 
 def _cxx_sources() -> list[str]:
     """Our C/C++ sources (ggml's own are fetched into the cache, never here)."""
-    found = [p for pattern in ("common/*", "common/*/*", "packages/*/*/*") for p in REPO.glob(pattern)]
+    found = [p for pattern in ("common/*", "common/*/*", "common/*/*/*", "packages/*/*/*") for p in REPO.glob(pattern)]
     return sorted(str(p.relative_to(REPO)) for p in found if p.suffix in (".c", ".cpp", ".h") and "build" not in p.parts)
 
 

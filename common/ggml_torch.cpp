@@ -147,9 +147,6 @@ ggml_type ggml_type_of(at::ScalarType dtype) {
 
 namespace {
 thread_local std::vector<uint8_t> t_ctx_buffer;
-// Intermediate results of up to this many bytes in all come from t_scratch (see Graph::run).
-constexpr size_t kScratchBytes = size_t{1} << 16;
-thread_local std::vector<uint8_t> t_scratch;
 }  // namespace
 
 Graph::Graph(int max_tensors) : graph_size_(std::max(16, max_tensors)) {
@@ -296,42 +293,7 @@ void Graph::run(ggml_tensor* const* results, size_t count, int n_threads) {
   }
   ggml_cgraph* graph = G.ggml_new_graph_custom(ctx_, graph_size_, false);
   for (size_t i = 0; i < count; ++i) G.ggml_build_forward_expand(graph, results[i]);
-  const int n = G.ggml_graph_n_nodes(graph);
-  // Intermediate results get memory in graph order: small ones (a decode step's) from this thread's
-  // scratch buffer, which like the context buffer serves one graph at a time, instead of an
-  // allocation each; big ones (prefill) as torch tensors that live as long as this Graph.
-  size_t scratch = 0;
-  for (int i = 0; i < n; ++i) {
-    const ggml_tensor* node = G.ggml_graph_node(graph, i);
-    if (node->data == nullptr && node->view_src == nullptr)
-      scratch += (G.ggml_nbytes(node) + 63) / 64 * 64;
-  }
-  // (continuing after what an earlier compute of this Graph took: its nodes may be read again)
-  const bool use_scratch = scratch_used_ + scratch <= kScratchBytes;
-  if (use_scratch && t_scratch.size() < kScratchBytes + 64)
-    t_scratch.resize(kScratchBytes + 64);  // never moves after
-  uintptr_t next =
-      ((reinterpret_cast<uintptr_t>(t_scratch.data()) + 63) & ~uintptr_t(63)) + scratch_used_;
-  if (use_scratch) scratch_used_ += scratch;
-  for (int i = 0; i < n; ++i) {
-    ggml_tensor* node = G.ggml_graph_node(graph, i);
-    if (node->data != nullptr) continue;
-    if (node->view_src != nullptr) {
-      node->data = static_cast<char*>(node->view_src->data) + node->view_offs;
-    } else if (use_scratch) {
-      node->data = reinterpret_cast<void*>(next);
-      next += (G.ggml_nbytes(node) + 63) / 64 * 64;
-    } else {
-      keep_alive_.push_back(at::empty({static_cast<int64_t>(G.ggml_nbytes(node)) + 64}, at::kByte));
-      const auto addr = reinterpret_cast<uintptr_t>(keep_alive_.back().data_ptr());
-      node->data = reinterpret_cast<void*>((addr + 63) & ~uintptr_t(63));
-    }
-  }
-  if (n_threads > 1) {
-    compute_graph_threaded(graph, n_threads);
-  } else {
-    compute_graph(graph);
-  }
+  backend::run_graph(graph, results, count, n_threads, memory_);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,6 +47,33 @@ ggml_type ggml_type_of(at::ScalarType dtype);
 std::string type_name(ggml_type type);
 
 // ---- one ggml graph whose leaves view torch tensors ----
+
+// Memory a Graph's backend gave its intermediate results, held as long as the Graph.
+struct GraphMemory {
+  // CPU: intermediate results of up to this many bytes in all come from a per-thread scratch
+  // buffer (one Graph per thread at a time), bigger ones from torch tensors kept here.
+  static constexpr size_t kScratchBytes = size_t{1} << 16;
+  size_t scratch_used = 0;
+  std::vector<at::Tensor> keep_alive;
+};
+
+namespace backend {
+// Implemented once per backend (common/cpu/cpu_backend.cpp, common/metal/metal_backend.cpp). Runs
+// `graph`, whose leaves and `results` hold host memory (torch tensors', or the memory a result was
+// bound to), giving the other nodes memory, and leaves every result's values in its host memory.
+void run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t count, int n_threads,
+               GraphMemory& memory);
+
+// Whether an op splits its work over torch's threads, one graph per slice (the CPU), or builds one
+// graph for the whole op (Metal: upstream's host code chooses its kernels from the whole shape,
+// and a device runs one command buffer at a time).
+#ifdef GGML_KERNELS_BACKEND_METAL
+inline constexpr bool kSlicesOverThreads = false;
+#else
+inline constexpr bool kSlicesOverThreads = true;
+#endif
+}  // namespace backend
+
 class Graph {
  public:
   explicit Graph(int max_tensors = 64);
@@ -72,10 +99,10 @@ class Graph {
 
   // Computes `result` straight into `dst`, a float32 tensor of the result's shape (dims reversed)
   // whose last dim is dense; other strides may be anything, e.g. a column slice of a bigger output.
-  // Runs on the calling thread (compute_graph), or with n_threads > 1 on ggml's own threadpool
-  // (compute_graph_threaded) for ops whose best split is ggml's internal one. Intermediate results
-  // live as long as this Graph (small ones in a per-thread scratch buffer: one Graph per thread at
-  // a time, as for the context memory).
+  // The build's backend runs it (backend::run_graph): on the CPU on the calling thread, or with
+  // n_threads > 1 on ggml's own threadpool for ops whose best split is ggml's internal one. On the
+  // CPU intermediate results live as long as this Graph (small ones in a per-thread scratch buffer:
+  // one Graph per thread at a time, as for the context memory).
   void compute(ggml_tensor* result, const at::Tensor& dst, int n_threads = 1);
 
   // The same into dst[index] (along the first dim), without the torch select.
@@ -93,8 +120,7 @@ class Graph {
   void run(ggml_tensor* const* results, size_t count, int n_threads);
 
   ggml_context* ctx_ = nullptr;
-  std::vector<at::Tensor> keep_alive_;
-  size_t scratch_used_ = 0;  // bytes of this thread's scratch buffer the graph's results hold
+  GraphMemory memory_;
   int graph_size_;
 };
 
@@ -123,11 +149,16 @@ class Rows {
 // last), and runs fn(begin, end) for every chunk on torch's threads. Threads take chunks from a
 // shared counter as ggml's own threadpool does, so a thread the OS wakes late (another process on
 // the core) leaves its share to the others instead of stalling the op; `chunks_per_thread` > 1
-// makes that finer. Small problems run inline on the calling thread.
+// makes that finer. Small problems run inline on the calling thread. On a backend that takes whole
+// ops (backend::kSlicesOverThreads false) it is one call fn(0, n).
 template <typename F>
 void parallel_chunks(int64_t n, int64_t min_chunk, int64_t align, int64_t chunks_per_thread,
                      const F& fn) {
   if (n <= 0) return;
+  if constexpr (!backend::kSlicesOverThreads) {
+    fn(0, n);
+    return;
+  }
   const int64_t threads = std::max(1, at::get_num_threads());
   int64_t tasks = std::clamp<int64_t>(n / std::max<int64_t>(1, min_chunk), 1,
                                       threads * std::max<int64_t>(1, chunks_per_thread));

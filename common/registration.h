@@ -28,37 +28,78 @@ namespace ggml_kernels::python {
 
 inline PyObject* str_result(const std::string& s) { return PyUnicode_FromString(s.c_str()); }
 
-// Python-callable facts about the loaded ggml runtime (for logs, tests and bug reports).
-inline PyObject* py_cpu_variant(PyObject*, PyObject*) {
+// fn() with a C++ exception turned into Python's RuntimeError.
+template <typename F>
+PyObject* guarded(F&& fn) {
   try {
-    return str_result(cpu_variant());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-}
-inline PyObject* py_runtime_path(PyObject*, PyObject*) {
-  try {
-    return str_result(runtime_path());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-}
-inline PyObject* py_ggml_version(PyObject*, PyObject*) {
-  try {
-    const auto& G = ggml();
-    return str_result(std::string(G.ggml_version()) + " (" + G.ggml_commit() + ")");
+    return fn();
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
 }
 
+// Python-callable facts about the loaded ggml runtime (for logs, tests and bug reports).
+inline PyObject* py_cpu_variant(PyObject*, PyObject*) {
+  return guarded([] { return str_result(cpu_variant()); });
+}
+inline PyObject* py_runtime_path(PyObject*, PyObject*) {
+  return guarded([] { return str_result(runtime_path()); });
+}
+inline PyObject* py_ggml_version(PyObject*, PyObject*) {
+  return guarded([] {
+    const auto& G = ggml();
+    return str_result(std::string(G.ggml_version()) + " (" + G.ggml_commit() + ")");
+  });
+}
+inline PyObject* py_backend(PyObject*, PyObject*) { return str_result(backend_name()); }
+
+// The Metal runtime's dispatch log (Metal builds; a CPU build has none and raises).
+inline const GgmlApi& metal_api() {
+  const auto& G = ggml();
+  TORCH_CHECK(G.gk_metal_threadgroups_json != nullptr, "this is a ", backend_name(),
+              " build: it has no Metal dispatch log");
+  return G;
+}
+inline PyObject* json_result(size_t (*fn)(char*, size_t)) {
+  std::string text(fn(nullptr, 0) + 1, '\0');
+  text.resize(fn(text.data(), text.size()));
+  return str_result(text);
+}
+inline PyObject* py_metal_threadgroups_json(PyObject*, PyObject*) {
+  return guarded([] { return json_result(metal_api().gk_metal_threadgroups_json); });
+}
+inline PyObject* py_metal_dispatches_json(PyObject*, PyObject*) {
+  return guarded([] { return json_result(metal_api().gk_metal_dispatches_json); });
+}
+inline PyObject* py_metal_reset_dispatches(PyObject*, PyObject*) {
+  return guarded([] {
+    metal_api().gk_metal_dispatches_reset();
+    Py_RETURN_NONE;
+  });
+}
+inline PyObject* py_metal_set_lane_schedule(PyObject*, PyObject* reverse) {
+  return guarded([reverse]() -> PyObject* {
+    const int flag = PyObject_IsTrue(reverse);
+    if (flag < 0) return nullptr;
+    metal_api().gk_metal_set_lane_schedule(flag);
+    Py_RETURN_NONE;
+  });
+}
+
 inline PyMethodDef kMethods[] = {
     {"cpu_variant", py_cpu_variant, METH_NOARGS, "ggml CPU variant loaded for this CPU"},
     {"runtime_path", py_runtime_path, METH_NOARGS, "path of the loaded ggml runtime library"},
     {"ggml_version", py_ggml_version, METH_NOARGS, "ggml version and commit"},
+    {"backend", py_backend, METH_NOARGS, "the backend this build runs ops on"},
+    {"metal_threadgroups_json", py_metal_threadgroups_json, METH_NOARGS,
+     "Metal builds: {kernel: threadgroups dispatched} since load or the last reset, as JSON"},
+    {"metal_dispatches_json", py_metal_dispatches_json, METH_NOARGS,
+     "Metal builds: every dispatch record since load or the last reset, as JSON"},
+    {"metal_reset_dispatches", py_metal_reset_dispatches, METH_NOARGS,
+     "Metal builds: forget the dispatches so far"},
+    {"metal_set_lane_schedule", py_metal_set_lane_schedule, METH_O,
+     "Metal emulation: resume SIMD lanes in reverse order (True) or forward (False)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace ggml_kernels::python

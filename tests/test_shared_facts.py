@@ -1,7 +1,7 @@
 """Facts that must live in more than one place agree with their one source.
 
 - CPU levels: tools/build/ggml_runtime.py CPU_LEVELS (what is built) is the source; the loader's
-  kVariants in common/ggml_runtime.cpp (what is picked at run time) lists the same names, best first.
+  kVariants in common/cpu/cpu_backend.cpp (what is picked at run time) lists the same names, best first.
 - Storage types: ggml_quantization/types.py (STORAGE_TYPES, GGMLType) is the Python source; the
   C++ check (kStorageTypes in common/ggml_torch.cpp and its error message) holds the same ids, the
   built op refuses exactly the others, and the names and ids are ggml's own (ggml.h of the pin).
@@ -56,7 +56,7 @@ def _ranges(text: str) -> set[int]:
 
 
 def test_cpu_levels_match_the_loader():
-    loader = re.findall(r'\{"(\w+)",\s*has_\w+\}', _cpp_array("common/ggml_runtime.cpp", "kVariants"))
+    loader = re.findall(r'\{"(\w+)",\s*has_\w+\}', _cpp_array("common/cpu/cpu_backend.cpp", "kVariants"))
     assert loader == list(reversed(ggml_runtime.CPU_LEVELS))  # the loader tries the best first
     assert set(ggml_runtime.CPUINFO_FLAG) == set(ggml_runtime.CPU_LEVELS) - {"x64"}
 

@@ -1,6 +1,6 @@
-"""Time per call of ops on the emulated Metal device (upstream's host code and translated kernels,
-each GPU thread a fiber; tools/build/metal_runtime.py). Verification, not speed: these numbers say
-how big a shape a test can afford, nothing about a Mac.
+"""Time per call of the packages' ops on their emulated-Metal builds (packages/<name>/build-metal-emu:
+upstream's Metal host code and translated kernels, each GPU thread a fiber). Verification, not
+speed: these numbers say how big a shape a test can afford, nothing about a Mac.
 
     python -m tools.bench.metal_emu [--calls 5]      # a markdown table on stdout
 
@@ -14,55 +14,77 @@ import datetime
 import platform
 import statistics
 import time
+from pathlib import Path
 
-import numpy as np
+import torch
 
-from tools.testing.metal_host import MetalHost
+from tools import REPO
 
-F32, Q4_K, I32 = 0, 12, 26
+Q4_K, Q6_K, Q8_0 = 12, 14, 8
 
 
-def workloads(host: MetalHost) -> dict:
-    """name -> graph builder, on random data (the kernel each takes is in the table)."""
-    rng = np.random.default_rng(0)
+def _load(package: str):
+    import kernels
+
+    return kernels.get_local_kernel(Path(REPO / "packages" / package / "build-metal-emu"), backend="cpu")
+
+
+def workloads(quant, norm) -> dict:
+    """name -> (module, call), on random data quantized by ggml's reference quantizer."""
+    g = torch.Generator().manual_seed(0)
     k, n = 1024, 256
-    w = host.quantize(Q4_K, rng.standard_normal((n, k)).astype(np.float32))
-    experts = host.quantize(Q4_K, rng.standard_normal((4 * n, k)).astype(np.float32))
-    x = {rows: rng.standard_normal((rows, k)).astype(np.float32).tobytes() for rows in (1, 4, 32)}
-    ids = np.stack([rng.choice(4, 2, replace=False) for _ in range(32)]).astype(np.int32).tobytes()
+    cpu = _cpu_quantization()
+
+    def weight(t, rows=n):
+        return cpu.quantize(torch.randn(rows, k, generator=g), t)
+
+    w, w6, w8 = weight(Q4_K), weight(Q6_K, 128), weight(Q8_0, 64)
+    experts = torch.stack([weight(Q4_K) for _ in range(4)])
+    x = {rows: torch.randn(rows, k, generator=g) for rows in (1, 5, 32)}
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(32)])
+    nw = torch.randn(k, generator=g)
     return {
-        f"rms_norm {k} x 32": lambda g: g.rms_norm(g.input(F32, x[32], k, 32)),
-        f"Q4_K {n}x{k} mat-vec, 1 row": lambda g: g.mul_mat(g.input(Q4_K, w, k, n), g.input(F32, x[1], k, 1)),
-        f"Q4_K {n}x{k} mat-vec-ext, 4 rows": lambda g: g.mul_mat(g.input(Q4_K, w, k, n), g.input(F32, x[4], k, 4)),
-        f"Q4_K {n}x{k} mat-mat, 32 rows": lambda g: g.mul_mat(g.input(Q4_K, w, k, n), g.input(F32, x[32], k, 32)),
-        f"Q4_K MoE 4 experts {n}x{k}, 32 tokens x 2": lambda g: g.mul_mat_id(
-            g.input(Q4_K, experts, k, n, 4), g.input(F32, x[32], k, 1, 32), g.input(I32, ids, 2, 32)),
-        f"get_rows Q4_K {n}x{k}, 4 rows": lambda g: g.get_rows(
-            g.input(Q4_K, w, k, n), g.input(I32, np.array([0, 5, 9, 255], np.int32).tobytes(), 4)),
+        f"rms_norm {k} x 32, weight": (norm, lambda: norm.rms_norm(x[32], nw)),
+        f"rms_norm_gated {k} x 32": (norm, lambda: norm.rms_norm_gated(x[32], x[32], nw)),
+        f"l2_norm {k} x 32": (norm, lambda: norm.l2_norm(x[32])),
+        f"Q4_K {n}x{k} mul_mat_vec, 1 row": (quant, lambda: quant.mul_mat_vec(w, x[1], Q4_K, n)),
+        f"Q4_K {n}x{k} mul_mat_vec, 5 rows": (quant, lambda: quant.mul_mat_vec(w, x[5], Q4_K, n)),
+        f"Q4_K {n}x{k} mul_mat, 32 rows": (quant, lambda: quant.mul_mat(w, x[32], Q4_K, n)),
+        "mul_mat_group Q4_K + Q6_K + Q8_0, 1 row": (
+            quant, lambda: quant.mul_mat_group([w, w6, w8], x[1], [Q4_K, Q6_K, Q8_0], [n, 128, 64])),
+        f"Q4_K MoE 4 experts {n}x{k}, 32 tokens x 2": (quant, lambda: quant.mul_mat_id(experts, x[32], ids, Q4_K, n)),
+        f"get_rows Q4_K {n}x{k}, 4 rows": (
+            quant, lambda: quant.get_rows(w, torch.tensor([0, 5, 9, 255]), Q4_K, k, torch.float32)),
+        f"dequantize Q4_K {n}x{k}": (quant, lambda: quant.dequantize(w, Q4_K, n, k, torch.float32)),
     }
+
+
+def _cpu_quantization():
+    import kernels
+
+    return kernels.get_local_kernel(Path(REPO / "packages" / "ggml-quantization"), backend="cpu")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args()
-    host = MetalHost()
     rows = []
-    for name, build in workloads(host).items():
-        found = host.compute(build)  # warm-up, and the kernels it takes
-        if found.error:
-            raise SystemExit(f"{name}: {found.error}")
+    for name, (module, call) in workloads(_load("ggml-quantization"), _load("ggml-norm")).items():
+        module.reset_metal_dispatches()
+        call()  # warm-up, and the kernels it takes
+        dispatched = module.metal_dispatches()
         times = []
         for _ in range(args.calls):
             t = time.perf_counter()
-            host.compute(build)
+            call()
             times.append(time.perf_counter() - t)
-        kernels = ", ".join(dict.fromkeys(d["kernel"] for d in found.dispatches))
-        grid = sum(d["grid"][0] * d["grid"][1] * d["grid"][2] for d in found.dispatches)
-        rows.append(f"| {name} | {kernels} | {grid} | {statistics.median(times) * 1e3:.1f} |")
+        kernels = ", ".join(dispatched)
+        rows.append(f"| {name} | {kernels} | {sum(dispatched.values())} | {statistics.median(times) * 1e3:.1f} |")
     print(f"{datetime.date.today()}, {platform.machine()} {platform.system()}; median ms per call over {args.calls} "
-          "calls (graph build, transfers and the emulated dispatches) (`python -m tools.bench.metal_emu`)\n")
-    print("| workload | kernels | threadgroups | ms |\n|---|---|---:|---:|")
+          "calls of the emulated builds' ops (upload, upstream's encoding, the emulated dispatches, read-back) "
+          "(`python -m tools.bench.metal_emu`)\n")
+    print("| op | kernels | threadgroups | ms |\n|---|---|---:|---:|")
     print("\n".join(rows))
 
 

@@ -2,13 +2,17 @@
 
 Reads the package's build.toml, compiles the torch binding, the backend sources and the shared glue
 in common/ against the torch of the running interpreter, links them against nothing of ggml's (the
-extension loads ggml's CPU runtime, tools/build/ggml_runtime.py, at first use), checks the ABI and lays
+extension loads ggml's runtime, tools/build/ggml_runtime.py, at first use), checks the ABI and lays
 out the variant folder that `kernels` loads:
 
     __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
     _ggml_runtime.py (common/python: Python glue every package shares)
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
     LICENSE (the repo's, MIT) and LICENSE.ggml (llama.cpp's, from the pinned sources: the binaries contain ggml)
+
+A package whose build.toml has a `metal` kernel entry also gets build-metal-emu/<variant>/: the same
+Python API on CPU tensors, its ops run by upstream's Metal backend on the emulated device
+(libggml-kernels-metal-emu.so beside the extension instead of the CPU runtimes; never uploaded).
 
     python -m tools.build                      # every package
     python -m tools.build ggml-quantization    # one package
@@ -24,17 +28,37 @@ import shutil
 import sys
 import sysconfig
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from tools import REPO
 
-from . import ggml_runtime, sanitize, upstream
+from . import ggml_runtime, metal_runtime, sanitize, upstream
 from . import ninja_build as ninja
 
 COMMON = REPO / "common"
 LICENSE = REPO / "LICENSE"
 UPSTREAM_LICENSE = "LICENSE.ggml"  # llama.cpp's own LICENSE, from the pinned sources (the binaries contain ggml)
-COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]
+COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]  # every backend's
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How a build.toml backend is built here."""
+
+    folder: str  # packages/<name>/<folder>/<variant>/
+    tag: str  # in the extension id: _<py_name>_<tag>_<hash>
+    sources: tuple[str, ...]  # its part of common/
+    defines: tuple[str, ...]
+    dispatch_key: str  # torch dispatch key of its ops' tensors
+
+
+BACKENDS = {
+    "cpu": Backend("build", "cpu", ("cpu/cpu_backend.cpp",), (), "CPU"),
+    # upstream's Metal backend on the emulated device: CPU tensors
+    "metal": Backend("build-metal-emu", "metal_emu", ("metal/metal_backend.cpp",),
+                     ("-DGGML_KERNELS_BACKEND_METAL=1",), "CPU"),
+}
 CXXFLAGS = [
     # -fopenmp: at::parallel_for is inline and uses OpenMP pragmas; without it, it runs serially.
     # At run time the libgomp.so.1 that torch itself loads (torch/lib) serves them: one thread pool.
@@ -65,39 +89,54 @@ def _hash_files(files, extra: str) -> str:
     return h.hexdigest()[:7]
 
 
-def build_package(name: str, jobs: int | None = None, check_abi: bool = True) -> Path:
-    import torch
-    from torch.utils import cpp_extension
-
+def build_package(name: str, jobs: int | None = None, check_abi: bool = True) -> list[Path]:
+    """Every backend build of a package (build/ and, with a metal entry, build-metal-emu/)."""
     pkg = REPO / "packages" / name
     with open(pkg / "build.toml", "rb") as f:
         spec = tomllib.load(f)
-    general = spec["general"]
-    py_name = name.replace("-", "_")
-    cpu_kernels = {k: v for k, v in spec.get("kernel", {}).items() if v.get("backend") == "cpu"}
-    if "cpu" not in general.get("backends", []) or not cpu_kernels:
+    if "cpu" not in spec["general"].get("backends", []) or not _kernels(spec, "cpu"):
         raise ValueError(f"{name}: build.toml declares no cpu backend")
-
     sanitize.refuse_checkout(REPO)
     runtime = ggml_runtime.build(jobs)
+    return [_build_backend(pkg, spec, backend, runtime, jobs, check_abi)
+            for backend in BACKENDS if _kernels(spec, backend)]
+
+
+def _kernels(spec: dict, backend: str) -> list[dict]:
+    return [k for k in spec.get("kernel", {}).values() if k.get("backend") == backend]
+
+
+def _runtime_libraries(backend: str, runtime: Path) -> list[Path]:
+    return ggml_runtime.libraries(runtime) if backend == "cpu" else [runtime / metal_runtime.LIBRARY]
+
+
+def _build_backend(pkg: Path, spec: dict, backend: str, runtime: Path, jobs: int | None, check_abi: bool) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    kind = BACKENDS[backend]
+    kernels = _kernels(spec, backend)
+    py_name = pkg.name.replace("-", "_")
     tree = upstream.ggml_tree()
     sources = [pkg / s for s in spec["torch"]["src"]]
-    sources += [pkg / s for k in cpu_kernels.values() for s in k["src"]]
-    sources += [COMMON / s for s in COMMON_SOURCES]
+    sources += list(dict.fromkeys(pkg / s for k in kernels for s in k["src"]))
+    sources += [COMMON / s for s in (*COMMON_SOURCES, *kind.sources)]
     headers = [p for p in sources if p.suffix == ".h"] + sorted(COMMON.glob("*.h"))
+    headers += [COMMON / "metal" / "device" / "metal_emu_api.h"]
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
 
     variant = torch_variant()
     recipe = torch.__version__ + "".join(sanitize.compile_flags())  # a sanitized build gets its own id
-    ext_id = f"_{py_name}_cpu_{_hash_files(sources + headers, recipe)}"
-    work = pkg / "build" / ".ninja" / variant
+    ext_id = f"_{py_name}_{kind.tag}_{_hash_files(sources + headers, recipe + backend)}"
+    work = pkg / kind.folder / ".ninja" / variant
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
                  f"-I{pkg / 'torch-ext'}"]
-    includes += [f"-I{pkg / d}" for k in cpu_kernels.values() for d in k.get("include", [])]
+    includes += [f"-I{pkg / d}" for k in kernels for d in k.get("include", [])]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = CXXFLAGS + sanitize.compile_flags() + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    flags += [f"-DTORCH_EXTENSION_NAME={ext_id}"] + includes
+    flags += [f"-DTORCH_EXTENSION_NAME={ext_id}", f"-DGGML_KERNELS_DISPATCH_KEY={kind.dispatch_key}"]
+    flags += list(kind.defines) + includes
     torch_lib = Path(torch.__file__).parent / "lib"
 
     n = ninja.NinjaFile()
@@ -121,8 +160,8 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
     n.write(work / "build.ninja")
     ninja.run(work, jobs)
 
-    out = pkg / "build" / variant
-    _assemble(out, pkg / "torch-ext" / py_name, so, ggml_runtime.libraries(runtime), ext_id, general)
+    out = pkg / kind.folder / variant
+    _assemble(out, pkg / "torch-ext" / py_name, so, _runtime_libraries(backend, runtime), ext_id, spec["general"])
     for shared in sorted((COMMON / "python").glob("*.py")):  # Python glue shared by every package
         _copy_if_changed(shared, out / shared.name)
     if check_abi:
@@ -188,6 +227,10 @@ def check_binaries(variant_dir: Path) -> None:
         return
     problems = []
     for so in sorted(variant_dir.glob("*.so")):
+        if so.name == metal_runtime.LIBRARY:
+            # the emulated device is a local verification tool, never uploaded: its _Float16
+            # conversions (msl.h's half) take libgcc_s's GCC_12 helpers, beyond manylinux_2_28
+            continue
         obj = kernel_abi_check.ObjectFile(str(so))
         bad = list(obj.check_manylinux(MANYLINUX))
         if so.name.endswith(".abi3.so"):
@@ -205,8 +248,8 @@ def main() -> None:
     ap.add_argument("--no-abi-check", action="store_true")
     args = ap.parse_args()
     for name in args.packages or packages():
-        out = build_package(name, args.jobs, check_abi=not args.no_abi_check)
-        print(out.relative_to(REPO))
+        for out in build_package(name, args.jobs, check_abi=not args.no_abi_check):
+            print(out.relative_to(REPO))
 
 
 if __name__ == "__main__":

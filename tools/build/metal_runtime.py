@@ -7,7 +7,7 @@ ggml-metal-context.m). This builds `libggml-kernels-metal-emu.so` in the runtime
 - ggml-base and upstream's six C++ host files, as fetched (nothing edited, nothing committed);
 - `supports_op` (and its mul_mat helper), cut at build time out of ggml-metal-device.m, where it is
   plain C between two markers: the build fails, naming them, if they are not found exactly once;
-- our device layer (common/metal/): the functions of ggml-metal-device.h and ggml-metal-context.h
+- our device layer (common/metal/device/): the functions of ggml-metal-device.h and ggml-metal-context.h
   the host code calls, with no Apple type, over an executor that receives each dispatch.
 
 `ggml_backend_metal_init()` of this library is upstream's Metal backend: every kernel choice, grid,
@@ -29,7 +29,8 @@ HOST_SOURCES = [
     "ggml-metal/ggml-metal-common.cpp", "ggml-metal/ggml-metal-fusion.cpp", "ggml-metal/ggml-metal-tuning.cpp",
 ]
 # ours, staged into the cache (the compile commands name no path of the checkout)
-DEVICE_FILES = ["metal_emu.h", "metal_device.cpp", "metal_context.cpp", "emu_runtime.h", "emu_runtime.cpp",
+DEVICE_DIR = REPO / "common" / "metal" / "device"
+DEVICE_FILES = ["metal_emu.h", "metal_emu_api.h", "metal_device.cpp", "metal_context.cpp", "emu_runtime.h", "emu_runtime.cpp",
                 "emu_executor.cpp", "msl.h"]
 DEVICE_SOURCES = [f for f in DEVICE_FILES if f.endswith(".cpp")]
 HEADERS = [f for f in DEVICE_FILES if f.endswith(".h")]
@@ -91,7 +92,7 @@ def add_to(n: ninja.NinjaFile, *, out: Path, src: Path, flags: list[str], base_o
     staged = out / "common" / "metal"
     staged.mkdir(parents=True, exist_ok=True)
     for name in DEVICE_FILES:
-        _write_if_changed(staged / name, (REPO / "common" / "metal" / name).read_text())
+        _write_if_changed(staged / name, (DEVICE_DIR / name).read_text())
     gen = out / "gen"
     gen.mkdir(parents=True, exist_ok=True)
     _write_if_changed(gen / "metal_supports_op.cpp", slice_supports_op((src / "ggml-metal" / "ggml-metal-device.m").read_text()))

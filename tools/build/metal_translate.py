@@ -1,7 +1,7 @@
 """Upstream's Metal kernels (.metal files, the Metal Shading Language) as C++ for the emulated device.
 
 The translation is mechanical and done at build time into the runtime cache (nothing generated is
-committed). MSL is C++ with address spaces, attributes and a standard library; common/metal/msl.h
+committed). MSL is C++ with address spaces, attributes and a standard library; common/metal/device/msl.h
 gives the library and makes the address spaces vanish, so what is left to rewrite is small:
 - function constants (`constant T NAME [[function_constant(I)]];`) become per-thread globals that
   the executor sets before each dispatch (`GK_FUNCTION_CONSTANT`);

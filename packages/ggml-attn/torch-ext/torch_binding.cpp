@@ -19,7 +19,7 @@ GGML_KERNELS_LIBRARY(m) {
   m.def("kv_write(Tensor(a!) keys, Tensor(b!) values, Tensor k, Tensor v, int position) -> ()");
 }
 
-GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
   m.impl("flash_attn", &flash_attn_cpu);
   m.impl("rotary_half", &rotary_half_cpu);
   m.impl("kv_write", &kv_write_cpu);

@@ -33,7 +33,7 @@ GGML_KERNELS_LIBRARY(m) {
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
 }
 
-GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
   m.impl("gated_delta_net", &gated_delta_net_cpu);
   m.impl("gated_delta_net_", &gated_delta_net_inplace_cpu);
   m.impl("causal_conv1d", &causal_conv1d_cpu);

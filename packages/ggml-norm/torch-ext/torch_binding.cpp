@@ -19,10 +19,10 @@ GGML_KERNELS_LIBRARY(m) {
   m.def("l2_norm(Tensor x, float eps, str mode) -> Tensor");
 }
 
-GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
-  m.impl("rms_norm", &rms_norm_cpu);
-  m.impl("rms_norm_gated", &rms_norm_gated_cpu);
-  m.impl("l2_norm", &l2_norm_cpu);
+GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
+  m.impl("rms_norm", &norm_ops::rms_norm);
+  m.impl("rms_norm_gated", &norm_ops::rms_norm_gated);
+  m.impl("l2_norm", &norm_ops::l2_norm);
 }
 
 GGML_KERNELS_PYTHON_MODULE()

@@ -16,60 +16,18 @@
 #include <utility>
 #include <vector>
 
+#include "checks.h"
 #include "ggml_torch.h"
 #include "repack_cpu.h"
 #include "torch_binding.h"
 
 using namespace ggml_kernels;
+using namespace ggml_quantization::checks;
 using ggml_quantization::check_storage;
 using ggml_quantization::kRepackRows;
 using ggml_quantization::Storage;
 
 namespace {
-
-// Values per packed row of a product's weight, from the row's byte size; ValueError if it is not
-// whole blocks, or more values than ggml's dot products count (they take the row length as an int).
-int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
-  const auto& G = ggml();
-  const int64_t rb = blocks.size(-1);
-  const int64_t ts = static_cast<int64_t>(G.ggml_type_size(type));
-  TORCH_CHECK_VALUE(rb > 0 && rb % ts == 0, name, " rows of ", rb,
-                    " bytes are not a whole number of ", type_name(type), " blocks (", ts,
-                    " bytes each)");
-  const int64_t k = rb / ts * G.ggml_blck_size(type);
-  TORCH_CHECK_VALUE(k <= std::numeric_limits<int32_t>::max(), name, " rows hold ", k,
-                    " values; ggml's dot "
-                    "products take at most 2^31 - 1");
-  return k;
-}
-
-// Activations x (..., K) (mul_mat, mul_mat_vec, mul_mat_group: any leading dims, the output keeps
-// them) or (T, K) when `tokens_only` (mul_mat_id).
-void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks, ggml_type type,
-                       bool tokens_only = false) {
-  check_cpu(x, "x");
-  check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
-  if (tokens_only) {
-    check_dim(x, 2, "x");
-  } else {
-    TORCH_CHECK_VALUE(x.dim() >= 1, "x must be (..., K) with at least one dim, got a 0-D tensor");
-  }
-  TORCH_CHECK_VALUE(x.size(-1) == k, "x has ", x.size(-1), " features (shape ", x.sizes(),
-                    ") but the ", type_name(type), " weight rows hold ", k, " values (",
-                    blocks.size(-1), " bytes)");
-}
-
-// x's shape with the last dim replaced by n: the shape of x @ W.T for a weight of n rows.
-at::DimVector rows_shape(const at::Tensor& x, int64_t n) {
-  at::DimVector shape(x.sizes());
-  shape.back() = n;
-  return shape;
-}
-
-void check_out_dtype(at::ScalarType dtype) {
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                   "dtype must be float32, float16 or bfloat16, got ", dtype);
-}
 
 // Rows a dequantizing thread unpacks at a time from a repacked weight (whole groups; ~64 KiB of
 // values, the unpacked bytes stay in cache for to_float).
@@ -312,15 +270,7 @@ std::pair<Storage, int64_t> check_weight(const at::Tensor& blocks, int64_t type_
                                          int64_t out_features, const at::Tensor& x,
                                          const char* name) {
   const Storage st = check_storage(type_id);
-  const ggml_type type = st.type;
-  check_cpu(blocks, name);
-  check_dtype(blocks, {at::kByte}, name);
-  check_dim(blocks, 2, name);
-  const int64_t k = cols_of(blocks, type, name);
-  check_packed(blocks, type, k, name);
-  TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but ", name,
-                    " has ", blocks.size(0), " rows");
-  check_activations(x, k, blocks, type);
+  const int64_t k = check_weight_operand(blocks, st.type, out_features, x, name);
   check_repacked_rows(blocks, st, name);
   return {st, k};
 }
@@ -589,21 +539,8 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
                     "repacked ones (type id ",
                     type_id, ")");
   const ggml_type type = st.type;
-  check_cpu(blocks, "blocks");
-  check_dtype(blocks, {at::kByte}, "blocks");
-  check_dim(blocks, 3, "blocks");
-  const int64_t k = cols_of(blocks, type, "blocks");
-  check_packed(blocks, type, k, "blocks");
+  const int64_t k = check_experts(blocks, type, out_features, x, ids);
   const int64_t experts = blocks.size(0);
-  TORCH_CHECK_VALUE(blocks.size(1) == out_features, "out_features=", out_features,
-                    " but each expert in blocks has ", blocks.size(1), " rows");
-  check_activations(x, k, blocks, type, /*tokens_only=*/true);
-  check_cpu(ids, "ids");
-  check_dtype(ids, {at::kInt, at::kLong}, "ids");
-  check_dim(ids, 2, "ids");
-  TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "ids has ", ids.size(0), " rows but x has ",
-                    x.size(0), " tokens");
-  check_indices(ids, experts, "ids (expert indices)");
   const int64_t t = x.size(0), n_ids = ids.size(1);
   auto out = at::empty({t, n_ids, out_features}, x.options().dtype(at::kFloat));
   if (t == 0 || n_ids == 0 || out_features == 0) return out;
@@ -639,12 +576,9 @@ at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t row
   const Storage st = check_storage(type_id);
   const ggml_type type = st.type;
   check_out_dtype(dtype);
-  check_cpu(blocks, "blocks");
-  check_dtype(blocks, {at::kByte}, "blocks");
-  check_dim(blocks, 2, "blocks");
+  check_rows_operand(blocks, type, cols);
   TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0),
                     " rows");
-  check_packed(blocks, type, cols, "blocks");
   check_repacked_rows(blocks, st, "blocks");
   if (rows == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
   if (is_float_type(type))
@@ -659,15 +593,9 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
   const Storage st = check_storage(type_id);
   const ggml_type type = st.type;
   check_out_dtype(dtype);
-  check_cpu(blocks, "blocks");
-  check_dtype(blocks, {at::kByte}, "blocks");
-  check_dim(blocks, 2, "blocks");
-  check_packed(blocks, type, cols, "blocks");
-  check_cpu(indices, "indices");
-  check_dtype(indices, {at::kInt, at::kLong}, "indices");
-  check_dim(indices, 1, "indices");
+  check_rows_operand(blocks, type, cols);
   check_repacked_rows(blocks, st, "blocks");
-  check_indices(indices, blocks.size(0), "indices");
+  check_row_indices(indices, blocks.size(0));
   const int64_t n = indices.size(0);
   if (n == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
   const at::Tensor idx = indices.to(at::kLong).contiguous();

@@ -24,10 +24,27 @@ GGML_KERNELS_LIBRARY(m) {
   // plus 1024 names it); repacked_types() lists the GGUF type ids this CPU's ggml repacks.
   m.def("repack(Tensor blocks, int ggml_type) -> Tensor");
   m.def("unrepack(Tensor blocks, int ggml_type) -> Tensor");
+#ifdef GGML_KERNELS_BACKEND_METAL
+  m.def("repacked_types() -> int[]", &repacked_types_metal);
+#else
   m.def("repacked_types() -> int[]", &repacked_types_cpu);
+#endif
 }
 
-GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+#ifdef GGML_KERNELS_BACKEND_METAL
+GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
+  m.impl("mul_mat", &mul_mat_metal);
+  m.impl("mul_mat_vec", &mul_mat_metal);
+  m.impl("mul_mat_group", &mul_mat_group_metal);
+  m.impl("mul_mat_id", &mul_mat_id_metal);
+  m.impl("dequantize", &dequantize_metal);
+  m.impl("get_rows", &get_rows_metal);
+  m.impl("quantize", &quantize_metal);
+  m.impl("repack", &repack_metal);
+  m.impl("unrepack", &unrepack_metal);
+}
+#else
+GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
   m.impl("mul_mat", &mul_mat_cpu);
   m.impl("mul_mat_vec", &mul_mat_cpu);
   m.impl("mul_mat_group", &mul_mat_group_cpu);
@@ -38,5 +55,6 @@ GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
   m.impl("repack", &repack_cpu);
   m.impl("unrepack", &unrepack_cpu);
 }
+#endif
 
 GGML_KERNELS_PYTHON_MODULE()

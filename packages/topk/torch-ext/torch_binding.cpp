@@ -22,7 +22,7 @@ GGML_KERNELS_LIBRARY(m) {
       "Tensor)");
 }
 
-GGML_KERNELS_LIBRARY_IMPL(CPU, m) {
+GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
   m.impl("top_k", &top_k_cpu);
   m.impl("top_k_ggml", &top_k_ggml_cpu);
 }

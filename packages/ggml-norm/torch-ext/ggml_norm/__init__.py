@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import check_dtype, info, same_device
+from ._ggml_runtime import check_dtype, info, metal_dispatches, reset_metal_dispatches, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -21,7 +21,9 @@ __all__ = [
     "info",
     "l2_norm",
     "layers",
+    "metal_dispatches",
     "reference",
+    "reset_metal_dispatches",
     "rms_norm",
     "rms_norm_gated",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, layers, reference
-from ._ggml_runtime import info, same_device
+from ._ggml_runtime import info, metal_dispatches, reset_metal_dispatches, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
     IMATRIX_TYPES,
@@ -40,6 +40,7 @@ __all__ = [
     "get_rows",
     "info",
     "layers",
+    "metal_dispatches",
     "mul_mat",
     "mul_mat_group",
     "mul_mat_id",
@@ -49,11 +50,12 @@ __all__ = [
     "repack",
     "repacked_type",
     "repacked_types",
-    "unrepack",
+    "reset_metal_dispatches",
     "row_bytes",
     "type_id",
     "type_info",
     "type_name",
+    "unrepack",
 ]
 
 # Every storage type has a ggml-cpu dot product in the pinned ggml, so every one stays packed.

@@ -174,19 +174,33 @@ bool ggml_metal_supports_family(ggml_metal_t ctx, int family) {
 }
 void ggml_metal_capture_next_compute(ggml_metal_t) {}
 
-size_t gk_metal_dispatches_json(char* out, size_t capacity) {
-  std::string text = "[";
-  for (const Dispatch& d : DispatchLog::instance().records()) {
-    if (text.size() > 1) text += ",";
-    text += dispatch_json(d);
-  }
-  text += "]";
+namespace {
+size_t copy_out(const std::string& text, char* out, size_t capacity) {
   if (out != nullptr && capacity > 0) {
     const size_t n = std::min(capacity - 1, text.size());
     std::memcpy(out, text.data(), n);
     out[n] = '\0';
   }
   return text.size();
+}
+}  // namespace
+
+size_t gk_metal_dispatches_json(char* out, size_t capacity) {
+  std::string text = "[";
+  for (const Dispatch& d : DispatchLog::instance().records()) {
+    if (text.size() > 1) text += ",";
+    text += dispatch_json(d);
+  }
+  return copy_out(text + "]", out, capacity);
+}
+
+size_t gk_metal_threadgroups_json(char* out, size_t capacity) {
+  std::string text = "{";
+  for (const auto& [kernel, count] : DispatchLog::instance().threadgroups()) {
+    if (text.size() > 1) text += ",";
+    text += "\"" + kernel + "\":" + std::to_string(count);
+  }
+  return copy_out(text + "}", out, capacity);
 }
 
 void gk_metal_dispatches_reset(void) { DispatchLog::instance().reset(); }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ggml-metal-device.h"
+#include "metal_emu_api.h"  // the C API of the dispatch log and the emulator
 
 namespace ggml_kernels::metal {
 
@@ -62,17 +63,21 @@ class Executor {
 };
 
 // The dispatches since the last reset, per process: kernel name -> threadgroups dispatched, and
-// the full records (what tests inspect).
+// the full records (what tests inspect) of the first kMaxRecords (a model run in emulation makes
+// many more; the counts go on).
 class DispatchLog : public Executor {
  public:
+  static constexpr size_t kMaxRecords = 20000;
   static DispatchLog& instance();
   void dispatch(const Dispatch& d) override;
   std::vector<Dispatch> records() const;
+  std::map<std::string, int64_t> threadgroups() const;
   void reset();
 
  private:
   mutable std::mutex mutex_;
   std::vector<Dispatch> records_;
+  std::map<std::string, int64_t> threadgroups_;
 };
 
 }  // namespace ggml_kernels::metal
@@ -126,18 +131,3 @@ uint8_t* host_address(ggml_metal_buffer* buf, uintptr_t addr, size_t size);
 struct ggml_metal_command_buffer {
   ggml_kernels::metal::Executor* executor = nullptr;
 };
-
-// C API for tests and the packages' Python side: the dispatch log as JSON, and its reset.
-extern "C" {
-// Writes the records since the last reset as a JSON list into `out` (at most `capacity` bytes,
-// NUL-terminated); returns the length the full text needs (excluding the NUL).
-__attribute__((visibility("default"))) size_t gk_metal_dispatches_json(char* out, size_t capacity);
-__attribute__((visibility("default"))) void gk_metal_dispatches_reset(void);
-// 1: dispatches run on the emulated device (default); 0: they are only logged (to see upstream's
-// choices for kernels not translated yet).
-__attribute__((visibility("default"))) void gk_metal_set_execute(int execute);
-// The message of the last failed graph compute on this thread ("" when none).
-__attribute__((visibility("default"))) const char* gk_metal_last_error(void);
-// 0: resume lanes in forward order within SIMD groups, 1: in reverse (emu_runtime.h).
-__attribute__((visibility("default"))) void gk_metal_set_lane_schedule(int reverse);
-}

@@ -1,17 +1,18 @@
-// ggml-norm on the CPU: every op is a small ggml graph run by ggml-cpu's own code on views of the
-// torch tensors.
+// ggml-norm's ops, for every backend: each op is a small ggml graph over views of the torch
+// tensors, which the build's backend runs (common/cpu/: ggml-cpu's own code; common/metal/:
+// upstream's Metal backend).
 //
-// x (..., n) is seen as rows of n values. The rows are split over torch's threads
+// x (..., n) is seen as rows of n values. On the CPU the rows are split over torch's threads
 // (parallel_chunks), one single-threaded graph per row slice writing its rows of the output, as
 // ggml's own threadpool would split them; a slice is at least kMinChunkBytes of float32 rows, so a
-// decode step (a few rows) runs on the calling thread.
+// decode step (a few rows) runs on the calling thread. On Metal an op is one graph.
 //
 // ggml-cpu's RMS_NORM and L2_NORM read float32 only: bf16/f16 inputs are converted inside the
 // graph (a GGML_OP_CPY node per slice) and the result is converted back by the graph's last node,
 // written straight into the output. The norm's sum of squares is accumulated in double by ggml, the
 // rest is float32. RMS_NORM directly followed by MUL (the weight) is one fused pass in ggml-cpu
-// (ggml_cpu_try_fuse_ops), as long as the weight is a float32 leaf: weights are therefore made
-// float32 once per call, before the graphs (F32Vector).
+// (ggml_cpu_try_fuse_ops; ggml-metal fuses it too), as long as the weight is a float32 leaf:
+// weights are therefore made float32 once per call, before the graphs (F32Vector).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -143,9 +144,9 @@ void for_row_slices(int64_t rows, int64_t n, const F& fn) {
 
 }  // namespace
 
-at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                        const std::optional<at::Tensor>& bias, double eps, bool zero_centered,
-                        bool cast_before_weight) {
+at::Tensor norm_ops::rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                              const std::optional<at::Tensor>& bias, double eps, bool zero_centered,
+                              bool cast_before_weight) {
   check_input(x);
   check_eps(eps);
   const int64_t n = x.size(-1);
@@ -188,8 +189,8 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& we
   return out;
 }
 
-at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
-                              double eps, bool cast_before_weight) {
+at::Tensor norm_ops::rms_norm_gated(const at::Tensor& x, const at::Tensor& z,
+                                    const at::Tensor& weight, double eps, bool cast_before_weight) {
   check_input(x);
   check_eps(eps);
   const int64_t n = x.size(-1);
@@ -221,7 +222,7 @@ at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& z, const at
   return out;
 }
 
-at::Tensor l2_norm_cpu(const at::Tensor& x, double eps, c10::string_view mode) {
+at::Tensor norm_ops::l2_norm(const at::Tensor& x, double eps, c10::string_view mode) {
   check_input(x);
   check_eps(eps);
   const bool clamp = mode == "clamp";

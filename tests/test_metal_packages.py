@@ -1,0 +1,384 @@
+"""ggml-quantization and ggml-norm on Metal: the emulated builds (packages/<name>/build-metal-emu/,
+loaded as users would with kernels.get_local_kernel) against the CPU builds and the references.
+
+Every op runs through upstream's Metal host code (its kernel choice, grid, function constants and
+threadgroup memory) and its kernels on the emulated device; each call is made under both lane
+schedules (SIMD lanes resumed forward and in reverse between rendezvous points) and the results
+must be bit-identical. `metal_dispatches()` shows which kernels upstream chose.
+
+Tolerances, per output element, against `bound` = |x| @ |W|.T (float64; ref = x @ W.T):
+- mat-vec (kernel_mul_mv*, 1-8 rows): float32 products summed in float32: at most K * 2^-24 of
+  the bound (K = 256: 1.5e-5; observed < 2e-7). TQ2_0's mat-vec is the exception (see TQ2_0_MAT_VEC).
+- mat-mat (kernel_mul_mm*, > 8 rows): both tiles are rounded to half in threadgroup memory
+  (bfloat for BF16 weights), so each product is off by at most 2^-10 (2^-7) of its magnitude.
+- the CPU build quantizes each activation row to 8 bits (Q8_0 / Q8_K, step max|x| / 127) for its
+  dot products: it is off the reference by at most sum|w| * max|x| / 254; Metal and CPU agree
+  within that plus Metal's own bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools import REPO
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+K, N = 256, 64
+# upstream's supports_op refuses these storage types for every op here (no Metal kernels)
+METAL_UNSUPPORTED = {"TQ1_0", "NVFP4"}
+# TQ2_0's mat-vec (kernel_mul_mv_tq2_0_f32) sums 2-bit fields as float floors of the packed byte
+# against hoisted coefficients (y1 - 4 y0, ...): terms up to 255 |y| that cancel, so its rounding
+# error is ~2^8 times the direct sum's (observed 1.8e-5 of the bound; others < 2e-7).
+TQ2_0_MAT_VEC = 1e-4
+# ggml-metal-ops.cpp's mat-vec-ext rule: float32 activations, K % 128 == 0, and 2-8 rows for these
+# types, 4-8 rows for the K-quants listed after them; more rows take the tiled mat-mat.
+EXT_FROM_2 = {"F32", "F16", "BF16", "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "IQ4_NL"}
+EXT_FROM_4 = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def _load(package: str, folder: str):
+    import kernels
+
+    path = REPO / "packages" / package / folder
+    if not any(path.glob("torch*-cpu-*")):
+        pytest.skip(f"{package} has no {folder} build: run `nox -s build`")
+    return kernels.get_local_kernel(Path(path), backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def mq():
+    return _load("ggml-quantization", "build-metal-emu")
+
+
+@pytest.fixture(scope="module")
+def cq():
+    return _load("ggml-quantization", "build")
+
+
+@pytest.fixture(scope="module")
+def mn():
+    return _load("ggml-norm", "build-metal-emu")
+
+
+@pytest.fixture(scope="module")
+def cn():
+    return _load("ggml-norm", "build")
+
+
+def both_schedules(module, fn, *args, **kwargs):
+    """fn(*args, **kwargs) under the forward and the reverse lane schedule: bit-identical results,
+    and the kernels dispatched ({name: threadgroups}, one schedule's)."""
+    runtime = module._ggml_runtime
+    results = []
+    try:
+        for reverse in (False, True):
+            runtime.set_lane_schedule(reverse)
+            runtime.reset_metal_dispatches()
+            results.append(fn(*args, **kwargs))
+            if not reverse:
+                dispatched = runtime.metal_dispatches()
+    finally:
+        runtime.set_lane_schedule(False)
+    first, second = (r if isinstance(r, (list, tuple)) else [r] for r in results)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a, b.view(torch.uint8) if b.dtype.is_floating_point else b)
+    return results[0], dispatched
+
+
+def storage_types(cq):
+    return [t for t, info in cq.types.TYPE_INFO.items() if info.storage]
+
+
+def quantized(cq, type_name: str, rows: int = N, cols: int = K, seed: int = 0):
+    """Random weights quantized by the CPU build, and their float64 dequantization."""
+    t = int(cq.types.GGMLType[type_name])
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    blocks = cq.quantize(w, t, imatrix=torch.ones(cols))
+    return t, blocks, cq.dequantize(blocks, t, rows, cols, torch.float32).double()
+
+
+def kernel_type(type_name: str) -> str:
+    """ggml's spelling in kernel names: q4_0, q4_K, iq2_xxs, bf16."""
+    return type_name.lower().replace("_k", "_K")
+
+
+def expected_family(type_name: str, rows: int, cols: int) -> str:
+    if rows == 1:
+        return "kernel_mul_mv_"
+    ext = cols % 128 == 0 and rows <= 8 and (type_name in EXT_FROM_2 or (type_name in EXT_FROM_4 and rows >= 4))
+    if ext:
+        return "kernel_mul_mv_ext_"
+    return "kernel_mul_mm_" if rows > 8 else "kernel_mul_mv_"
+
+
+def metal_tolerance(type_name: str, rows: int, cols: int) -> float:
+    if rows > 8:
+        return 2.0**-7 if type_name == "BF16" else 2.0**-10
+    return TQ2_0_MAT_VEC if type_name == "TQ2_0" else cols * 2.0**-24
+
+
+def check_product(y, y_cpu, x, dense, tol):
+    x = x.double().reshape(-1, dense.shape[1])
+    ref = x @ dense.T
+    bound = x.abs() @ dense.abs().T
+    err = (y.double().reshape(ref.shape) - ref).abs()
+    assert (err <= tol * bound + 1e-30).all(), f"max error {(err / bound).max().item():.2e} of the bound > {tol:.1e}"
+    cpu_bound = dense.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True) / 254
+    assert ((y.double().reshape(ref.shape) - y_cpu.double().reshape(ref.shape)).abs() <= tol * bound + cpu_bound).all()
+
+
+# ---- loading and the dispatch log ----------------------------------------------------------
+
+
+def test_emulated_builds_load_and_carry_no_ggml_cpu(mq, mn, cq):
+    for module in (mq, mn):
+        info = module.info()
+        assert info["backend"] == "metal-emu" and info["cpu_variant"] == ""
+        assert Path(info["runtime"]).name == "libggml-kernels-metal-emu.so"
+        assert "build-metal-emu" in info["runtime"]
+        lib = ctypes.CDLL(info["runtime"], mode=ctypes.RTLD_LOCAL)
+        # the runtime holds ggml-base and upstream's Metal backend only: nothing could fall back
+        assert hasattr(lib, "ggml_backend_metal_init")
+        assert not hasattr(lib, "ggml_graph_compute") and not hasattr(lib, "ggml_backend_cpu_reg")
+    assert cq.info()["backend"] == "cpu"
+    with pytest.raises(RuntimeError, match="cpu build: it has no Metal dispatch log"):
+        cq.metal_dispatches()
+
+
+def test_dispatches_count_threadgroups_and_reset(mq, cq):
+    t, blocks, _ = quantized(cq, "Q4_0")
+    mq.reset_metal_dispatches()
+    mq.mul_mat_vec(blocks, torch.randn(1, K), t, N)
+    first = mq.metal_dispatches()
+    assert list(first) == ["kernel_mul_mv_q4_0_f32"] and first["kernel_mul_mv_q4_0_f32"] > 0
+    mq.mul_mat_vec(blocks, torch.randn(1, K), t, N)
+    assert mq.metal_dispatches()["kernel_mul_mv_q4_0_f32"] == 2 * first["kernel_mul_mv_q4_0_f32"]
+    records = mq._ggml_runtime.metal_dispatch_records()
+    assert [r["kernel"] for r in records] == ["kernel_mul_mv_q4_0_f32"] * 2
+    mq.reset_metal_dispatches()
+    assert mq.metal_dispatches() == {}
+
+
+# ---- ggml-quantization ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 12])
+def test_mul_mat_every_type_and_kernel_variant(mq, cq, rows):
+    """Every storage type at 1 (mat-vec), 3 and 5 (mat-vec-ext where upstream has it) and 12 rows
+    (tiled mat-mat): upstream's choice, values against the reference and the CPU build."""
+    refused = set()
+    for type_id in storage_types(cq):
+        name = type_id.name
+        t, blocks, dense = quantized(cq, name, seed=rows)
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + rows))
+        if name in METAL_UNSUPPORTED:
+            with pytest.raises(NotImplementedError, match=rf"ggml-metal has no kernel for MUL_MAT\({name}, F32\)"):
+                mq.mul_mat(blocks, x, t, N)
+            refused.add(name)
+            continue
+        y, kernels = both_schedules(mq, mq.mul_mat, blocks, x, t, N)
+        assert len(kernels) == 1, kernels
+        kernel = next(iter(kernels))
+        assert kernel.startswith(expected_family(name, rows, K) + kernel_type(name) + "_f32"), (name, kernel)
+        check_product(y, cq.mul_mat(blocks, x, t, N), x, dense, metal_tolerance(name, rows, K))
+    assert refused == METAL_UNSUPPORTED
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12])
+@pytest.mark.parametrize(("type_name", "cols"), [("F32", 70), ("F16", 70), ("BF16", 70), ("Q4_0", 96), ("Q4_K", 512)])
+def test_mul_mat_row_lengths(mq, cq, type_name, cols, rows):
+    """ne00 % 4 != 0 (upstream's non-vectorised float kernels), K % 128 != 0 (no mat-vec-ext), and
+    two K-quant blocks per row."""
+    t, blocks, dense = quantized(cq, type_name, cols=cols, seed=cols)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    y, kernels = both_schedules(mq, mq.mul_mat_vec, blocks, x, t, N)
+    kernel = next(iter(kernels))
+    assert kernel.startswith(expected_family(type_name, rows, cols)), kernel
+    if rows == 1 and type_name in ("F32", "F16", "BF16"):
+        assert not kernel.endswith("_4")  # the float4 variant needs ne00 % 4 == 0
+    check_product(y, cq.mul_mat_vec(blocks, x, t, N), x, dense, metal_tolerance(type_name, rows, cols))
+
+
+def test_mul_mat_keeps_leading_dims_and_takes_strided_half_activations(mq, cq):
+    t, blocks, dense = quantized(cq, "Q8_0")
+    big = torch.randn(2, 3, 2 * K, dtype=torch.float16)
+    x = big[..., ::2]  # (2, 3, K), not contiguous
+    y, _ = both_schedules(mq, mq.mul_mat, blocks, x, t, N)
+    assert y.shape == (2, 3, N) and y.dtype == torch.float32
+    check_product(y, cq.mul_mat(blocks, x, t, N), x.float(), dense, metal_tolerance("Q8_0", 6, K))
+
+
+@pytest.mark.parametrize("rows", [1, 12])
+def test_mul_mat_group_is_one_graph_of_separate_products(mq, cq, rows):
+    weights = [quantized(cq, name, rows=n, seed=i) for i, (name, n) in enumerate([("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 16)])]
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(7))
+    blocks, types, outs = [w[1] for w in weights], [w[0] for w in weights], [64, 32, 16]
+    ys, kernels = both_schedules(mq, mq.mul_mat_group, blocks, x, types, outs)
+    assert len(kernels) == 3
+    for y, b, t, n in zip(ys, blocks, types, outs, strict=True):
+        assert torch.equal(y, mq.mul_mat(b, x, t, n))
+
+
+@pytest.mark.parametrize(("tokens", "family"), [(3, "kernel_mul_mv_id_"), (40, "kernel_mul_mm_id_")])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "F16"])
+def test_mul_mat_id_vec_and_mapped_tiles(mq, cq, type_name, tokens, family):
+    experts, n_ids, rows = 4, 2, 32
+    parts = [quantized(cq, type_name, rows=rows, seed=e) for e in range(experts)]
+    t = parts[0][0]
+    blocks = torch.stack([p[1] for p in parts])  # (E, N, row_bytes)
+    dense = torch.stack([p[2] for p in parts])
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, K, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:n_ids] for _ in range(tokens)])
+    y, kernels = both_schedules(mq, mq.mul_mat_id, blocks, x, ids, t, rows)
+    assert any(k.startswith(family + kernel_type(type_name)) for k in kernels), kernels
+    y_cpu = cq.mul_mat_id(blocks, x, ids, t, rows)
+    tol = metal_tolerance(type_name, 12 if "mm" in family else 1, K)
+    for j in range(n_ids):  # each slot is a product with that token's expert
+        w = dense[ids[:, j]]  # (T, N, K)
+        ref = torch.einsum("tnk,tk->tn", w, x.double())
+        bound = torch.einsum("tnk,tk->tn", w.abs(), x.double().abs())
+        assert ((y[:, j].double() - ref).abs() <= tol * bound).all()
+        cpu_bound = w.abs().sum(2) * x.double().abs().amax(1, keepdim=True) / 254
+        assert ((y[:, j] - y_cpu[:, j]).double().abs() <= tol * bound + cpu_bound).all()
+
+
+def test_dequantize_and_get_rows_every_type_equal_the_cpu_build(mq, cq):
+    """Metal's get_rows kernels dequantize each type's blocks exactly as ggml's CPU code does."""
+    idx = torch.tensor([5, 0, 63, 5])
+    for type_id in storage_types(cq):
+        name = type_id.name
+        t, blocks, dense = quantized(cq, name)
+        if name in METAL_UNSUPPORTED:
+            with pytest.raises(NotImplementedError, match="GET_ROWS"):
+                mq.dequantize(blocks, t, N, K, torch.float32)
+            continue
+        full, kernels = both_schedules(mq, mq.dequantize, blocks, t, N, K, torch.float32)
+        assert list(kernels) == [f"kernel_get_rows_{kernel_type(name)}"], kernels
+        assert torch.equal(full, cq.dequantize(blocks, t, N, K, torch.float32)), name
+        rows, _ = both_schedules(mq, mq.get_rows, blocks, idx, t, K, torch.bfloat16)
+        assert torch.equal(rows, cq.get_rows(blocks, idx, t, K, torch.bfloat16)), name
+        assert torch.equal(full.double(), dense)
+
+
+def test_cpu_only_operations_raise(mq, cq):
+    t, blocks, _ = quantized(cq, "Q4_0")
+    with pytest.raises(NotImplementedError, match="quantize runs on the CPU build only"):
+        mq.quantize(torch.randn(8, K), t)
+    with pytest.raises(NotImplementedError, match="repacked layout"):
+        mq.ops.repack(blocks, t)
+    with pytest.raises(NotImplementedError, match="use the CPU build"):
+        mq.ops.unrepack(blocks, t)
+    assert mq.ops.repacked_types() == []
+    with pytest.raises(ValueError, match="repacked layout; the Metal build takes weights in the plain GGUF layout"):
+        mq.ops.mul_mat(blocks, torch.randn(1, K), t + 1024, N)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, b, t: m.ops.mul_mat(b, torch.randn(1, K, dtype=torch.float64), t, N),
+        lambda m, b, t: m.ops.mul_mat(b, torch.randn(1, K + 32), t, N),
+        lambda m, b, t: m.ops.mul_mat(b[:, :10], torch.randn(1, K), t, N),
+        lambda m, b, t: m.ops.mul_mat_id(b[None], torch.randn(2, K), torch.tensor([[0], [1]]), t, N),
+        lambda m, b, t: m.ops.get_rows(b, torch.tensor([N]), t, K, torch.float32),
+        lambda m, b, t: m.ops.dequantize(b, 99, N, K, torch.float32),
+    ],
+    ids=["dtype", "features", "row-bytes", "expert-index", "row-index", "type-id"],
+)
+def test_bad_input_raises_as_the_cpu_build_does(mq, cq, call):
+    t, blocks, _ = quantized(cq, "Q4_0")
+
+    def refusal(module):
+        with pytest.raises((TypeError, ValueError, IndexError)) as info:
+            call(module, blocks, t)
+        return info.type, str(info.value).splitlines()[0]
+
+    assert refusal(mq) == refusal(cq)
+
+
+# ---- ggml-norm -----------------------------------------------------------------------------
+
+NORM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def norm_tolerance(dtype: torch.dtype) -> float:
+    """Metal sums the squares in float32 (SIMD-group sums), the CPU build in double: 1e-6 relative
+    on float32 outputs; a half / bfloat output may then round the other way (one unit: 2^-10 / 2^-7)."""
+    return {torch.float32: 1e-6, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+
+
+def assert_norm_close(a, b, dtype):
+    tol = norm_tolerance(dtype)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert ((a.double() - b.double()).abs() <= tol * (b.double().abs() + 1)).all()
+
+
+@pytest.mark.parametrize("n", [64, 70])
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+@pytest.mark.parametrize("variant", ["plain", "weight", "zero-centered", "bias", "llama-rounding"])
+def test_rms_norm(mn, cn, variant, dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3, 5, n, generator=g).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    kwargs = {
+        "plain": {},
+        "weight": {"weight": w},
+        "zero-centered": {"weight": w, "zero_centered": True},
+        "bias": {"weight": w, "bias": b},
+        "llama-rounding": {"weight": w.float(), "cast_before_weight": True},
+    }[variant]
+    y, kernels = both_schedules(mn, mn.rms_norm, x, eps=1e-6, **kwargs)
+    assert any(k.startswith("kernel_rms_norm") for k in kernels), kernels
+    assert any(k.endswith("_f32_4") for k in kernels) == (n % 4 == 0), kernels
+    assert_norm_close(y, cn.rms_norm(x, eps=1e-6, **kwargs), dtype)
+    ref = mn.reference.rms_norm(x, eps=1e-6, **kwargs)
+    assert_norm_close(y, ref, dtype)
+
+
+def test_rms_norm_strided_input(mn, cn):
+    x = torch.randn(6, 128)[:, 16:112]  # (6, 96) with row stride 128
+    assert not x.is_contiguous()
+    w = torch.randn(96)
+    y, _ = both_schedules(mn, mn.rms_norm, x, w, eps=1e-5)
+    assert_norm_close(y, cn.rms_norm(x, w, eps=1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+@pytest.mark.parametrize("rounding", [False, True])
+def test_rms_norm_gated(mn, cn, dtype, rounding):
+    g = torch.Generator().manual_seed(3)
+    x, z = (torch.randn(7, 128, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(128, generator=g).to(dtype)
+    y, kernels = both_schedules(mn, mn.rms_norm_gated, x, z, w, eps=1e-6, cast_before_weight=rounding)
+    assert any(k.startswith("kernel_rms_norm") for k in kernels) and any("swiglu" in k for k in kernels), kernels
+    assert_norm_close(y, cn.rms_norm_gated(x, z, w, eps=1e-6, cast_before_weight=rounding), dtype)
+
+
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+@pytest.mark.parametrize("mode", ["clamp", "rsqrt"])
+def test_l2_norm(mn, cn, mode, dtype):
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    x[0, 0] = 0  # the clamp
+    y, kernels = both_schedules(mn, mn.l2_norm, x, eps=1e-6, mode=mode)
+    want = "kernel_l2_norm" if mode == "clamp" else "kernel_rms_norm"
+    assert any(k.startswith(want) for k in kernels), kernels
+    assert_norm_close(y, cn.l2_norm(x, eps=1e-6, mode=mode), dtype)
+
+
+def test_norm_layers(mn, cn):
+    """The kernelize layers, forward called on a module holding transformers' attribute names."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(64))
+    module.variance_epsilon = 1e-6
+    module.eps = 1e-6
+    x, gate = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    for name, args in [("RMSNorm", (x,)), ("RMSNormZeroCentered", (x,)), ("RMSNormGated", (x, gate))]:
+        y, _ = both_schedules(mn, getattr(mn.layers, name).forward, module, *args)
+        assert_norm_close(y, getattr(cn.layers, name).forward(module, *args), torch.float32)
