@@ -309,6 +309,22 @@ def test_mul_mat_id_runs_on_the_emulated_device(host, tokens, used, kernels):
     assert forward.output == reverse.output
 
 
+def test_mapped_moe_product_asks_for_kernels_upstream_does_not_define(host):
+    """Upstream finding: with many tokens MUL_MAT_ID maps tokens to experts with
+    kernel_mul_mm_id_map0_ne20_<experts per token>, which mul_mm.metal instantiates for 1, 2, 4, 5, 6,
+    8, 10, 16 and 22 only: 3 experts per token name a kernel no .metal file defines (on a Mac, the
+    pipeline fails to compile). A clear error here; ggml-quantization's mul_mat_id splits such ids
+    (tests/test_metal_packages.py)."""
+    k, n, experts, tokens, used = 256, 32, 4, 40, 3
+    qtype, blocks, _ = dense_weights(host, "Q8_0", experts * n, k, 0)
+    ids = np.stack([np.random.default_rng(i).choice(experts, used, replace=False) for i in range(tokens)]).astype(np.int32)
+    x = np.zeros((tokens, 1, k), np.float32)
+    found = host.compute(lambda g: g.mul_mat_id(g.input(qtype, blocks, k, n, experts), g.input(F32, x.tobytes(), k, 1, tokens),
+                                                g.input(I32, ids.tobytes(), used, tokens)))
+    assert found.supported
+    assert "upstream's Metal library has no kernel kernel_mul_mm_id_map0_ne20_3" in found.error, found.error
+
+
 def hadamard(n: int) -> np.ndarray:
     """Sylvester's Hadamard matrix over sqrt(n) (orthonormal)."""
     h = np.array([[1.0]])

@@ -248,6 +248,24 @@ def test_mul_mat_id_vec_and_mapped_tiles(mq, cq, type_name, tokens, family):
         assert ((y[:, j] - y_cpu[:, j]).double().abs() <= tol * bound + cpu_bound).all()
 
 
+@pytest.mark.parametrize(("n_ids", "maps"), [(3, {1, 2}), (7, {1, 6}), (8, {8})])
+def test_mul_mat_id_splits_expert_counts_upstream_has_no_map_kernel_for(mq, cq, n_ids, maps):
+    """Upstream's mapped tiled path has kernel_mul_mm_id_map0_ne20_<n> for n in 1, 2, 4, 5, 6, 8, 10,
+    16, 22 only (tests/test_metal_host.py): other counts of experts per token are split into those."""
+    experts, rows, tokens = 8, 32, 40
+    parts = [quantized(cq, "Q8_0", rows=rows, seed=e) for e in range(experts)]
+    t, blocks, dense = parts[0][0], torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts])
+    g = torch.Generator().manual_seed(n_ids)
+    x = torch.randn(tokens, K, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:n_ids] for _ in range(tokens)])
+    y, kernels = both_schedules(mq, mq.mul_mat_id, blocks, x, ids, t, rows)
+    assert {int(k.rsplit("_", 1)[1]) for k in kernels if "map0" in k} == maps, kernels
+    w = dense[ids]  # (T, n_ids, N, K)
+    ref = torch.einsum("tjnk,tk->tjn", w, x.double())
+    bound = torch.einsum("tjnk,tk->tjn", w.abs(), x.double().abs())
+    assert ((y.double() - ref).abs() <= 2.0**-10 * bound).all()
+
+
 def test_dequantize_and_get_rows_every_type_equal_the_cpu_build(mq, cq):
     """Metal's get_rows kernels dequantize each type's blocks exactly as ggml's CPU code does."""
     idx = torch.tensor([5, 0, 63, 5])

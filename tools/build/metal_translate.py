@@ -216,6 +216,17 @@ def _registry(name: str, kernels: dict[str, Kernel], instances: list[tuple[str, 
     return "\n".join(lines) + "\n"
 
 
+def kernel_names(text: str) -> list[str]:
+    """The names a Metal library built from this file would hold: its [[host_name]]s and plain kernels."""
+    names = [m.group(1) for m in _INSTANCE.finditer(text)]
+    for m in _KERNEL.finditer(text):
+        if m.group(2):
+            names.append(m.group(2))
+        elif not _after_template_header(text[: m.start()]):
+            names.append(m.group(3))
+    return names
+
+
 def translate_file(path: Path) -> str:
     """A kernel file of upstream's kernels/ folder, its includes from there, ggml-metal/ and ggml/src/."""
     return translate(inline_includes(path.read_text(), [path.parent, path.parent.parent, path.parent.parent.parent]), path.name)

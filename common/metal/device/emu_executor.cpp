@@ -1,6 +1,7 @@
 // The emulated device's executor: runs each dispatch's kernel (translated from upstream's .metal
 // sources, registered by [[host_name]]) on the CPU, threadgroup by threadgroup.
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -9,7 +10,18 @@
 
 namespace ggml_kernels::metal {
 
+namespace emu {
+// Generated at build time (metal_runtime.py): the kernels of upstream's files not translated yet.
+extern const char* const kUntranslatedKernels[];
+}  // namespace emu
+
 namespace {
+
+bool untranslated(const std::string& kernel) {
+  for (const char* const* name = emu::kUntranslatedKernels; *name != nullptr; ++name)
+    if (kernel == *name) return true;
+  return false;
+}
 
 // Every function constant back to zero, then the pipeline's values (what a pipeline compiled with
 // those constants sees).
@@ -26,9 +38,13 @@ void set_constants(const Constants& constants) {
 void run_dispatch(const Dispatch& d) {
   const auto found = emu::kernels().find(d.kernel);
   if (found == emu::kernels().end()) {
-    throw std::runtime_error(
-        "Metal emulator: kernel " + d.kernel +
-        " is not translated yet (tools/build/metal_translate.py KERNEL_FILES)");
+    if (untranslated(d.kernel))
+      throw std::runtime_error(
+          "Metal emulator: kernel " + d.kernel +
+          " is not translated yet (tools/build/metal_translate.py KERNEL_FILES)");
+    throw std::runtime_error("upstream's Metal library has no kernel " + d.kernel +
+                             ": its host code asked for a pipeline no .metal file defines (on a "
+                             "Mac, compiling it fails)");
   }
   set_constants(d.constants);
   // arguments by index: buffers at their offsets, inline bytes

@@ -10,7 +10,10 @@
 // quantize (ggml-cpu's row quantizers) stays a CPU op.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -39,6 +42,26 @@ std::pair<ggml_type, int64_t> check_weight(const at::Tensor& blocks, int64_t typ
   const ggml_type type = check_plain_type(type_id);
   const int64_t k = check_weight_operand(blocks, type, out_features, x, name);
   return {type, k};
+}
+
+// Experts per token for which upstream's mapped tiled product (MUL_MAT_ID with many tokens) has a
+// kernel: mul_mm.metal instantiates kernel_mul_mm_id_map0_ne20_<n> for these n only, and the host
+// code asks for kernel_mul_mm_id_map0_ne20_<n_ids> whatever n_ids is (on a Mac, 3 or 7 experts per
+// token fail to compile a pipeline). Other counts are split into slots of these sizes, one
+// MUL_MAT_ID node each in the op's one graph.
+constexpr int64_t kMappedIdCounts[] = {22, 16, 10, 8, 6, 5, 4, 2, 1};
+
+// [first slot, slots) groups covering n_ids slots, each of a count in kMappedIdCounts.
+std::vector<std::pair<int64_t, int64_t>> slot_groups(int64_t n_ids) {
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  for (int64_t j0 = 0; j0 < n_ids;) {
+    const int64_t left = n_ids - j0;
+    const int64_t* count = std::find_if(std::begin(kMappedIdCounts), std::end(kMappedIdCounts),
+                                        [&](int64_t c) { return c <= left; });
+    groups.emplace_back(j0, *count);
+    j0 += *count;
+  }
+  return groups;
 }
 
 // Packed rows `indices` (int32, (n,)) of blocks, as float32 (n, cols) in `dtype`: GET_ROWS.
@@ -109,11 +132,18 @@ at::Tensor mul_mat_id_metal(const at::Tensor& blocks, const at::Tensor& x, const
   if (t == 0 || n_ids == 0 || out_features == 0) return out;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor ids32 = ids.to(at::kInt).contiguous();
-  Graph g(8);
-  // one activation row per token ({K, 1, T}), shared by the token's experts
-  ggml_tensor* y = ggml().ggml_mul_mat_id(g.ctx(), g.packed(blocks, type, k),
-                                          g.view(xf.view({t, 1, k})), g.view(ids32));
-  g.compute(y, out);  // {N, n_ids, T}
+  const auto slots = slot_groups(n_ids);
+  Graph g(static_cast<int>(4 * slots.size() + 4));
+  ggml_tensor* experts = g.packed(blocks, type, k);
+  ggml_tensor* xt = g.view(xf.view({t, 1, k}));  // one row per token, shared by its experts
+  std::vector<ggml_tensor*> results;
+  for (const auto& [j0, count] : slots) {
+    ggml_tensor* y =
+        ggml().ggml_mul_mat_id(g.ctx(), experts, xt, g.view(ids32.narrow(1, j0, count)));
+    g.bind(y, out.narrow(1, j0, count));  // {N, count, T}
+    results.push_back(y);
+  }
+  g.compute_bound(results);
   return out;
 }
 
