@@ -1,4 +1,4 @@
-"""ggml-quantization and ggml-norm on Metal: the emulated builds (packages/<name>/build-metal-emu/,
+"""ggml-quantization, ggml-norm and topk on Metal: the emulated builds (packages/<name>/build-metal-emu/,
 loaded as users would with kernels.get_local_kernel) against the CPU builds and the references.
 
 Every op runs through upstream's Metal host code (its kernel choice, grid, function constants and
@@ -58,6 +58,16 @@ def mq():
 @pytest.fixture(scope="module")
 def cq():
     return _load("ggml-quantization", "build")
+
+
+@pytest.fixture(scope="module")
+def mt():
+    return _load("topk", "build-metal-emu")
+
+
+@pytest.fixture(scope="module")
+def ct():
+    return _load("topk", "build")
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +181,7 @@ def test_dispatches_count_threadgroups_and_reset(mq, cq):
 def test_mul_mat_every_type_and_kernel_variant(mq, cq, rows):
     """Every storage type at 1 (mat-vec), 3 and 5 (mat-vec-ext where upstream has it) and 12 rows
     (tiled mat-mat): upstream's choice, values against the reference and the CPU build."""
+    assert {t.name for t in storage_types(cq)} == set(ALL_STORAGE_TYPES) | METAL_UNSUPPORTED
     refused = set()
     for type_id in storage_types(cq):
         name = type_id.name
@@ -224,9 +235,15 @@ def test_mul_mat_group_is_one_graph_of_separate_products(mq, cq, rows):
         assert torch.equal(y, mq.mul_mat(b, x, t, n))
 
 
+ALL_STORAGE_TYPES = ["F32", "F16", "BF16", "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K",
+                     "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+                     "IQ4_XS", "TQ2_0"]
+
+
 @pytest.mark.parametrize(("tokens", "family"), [(3, "kernel_mul_mv_id_"), (40, "kernel_mul_mm_id_")])
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "F16"])
+@pytest.mark.parametrize("type_name", ALL_STORAGE_TYPES)
 def test_mul_mat_id_vec_and_mapped_tiles(mq, cq, type_name, tokens, family):
+    """Every storage type Metal supports through the MoE mat-vec (few tokens) and the mapped tiles."""
     experts, n_ids, rows = 4, 2, 32
     parts = [quantized(cq, type_name, rows=rows, seed=e) for e in range(experts)]
     t = parts[0][0]
@@ -400,3 +417,51 @@ def test_norm_layers(mn, cn):
     for name, args in [("RMSNorm", (x,)), ("RMSNormZeroCentered", (x,)), ("RMSNormGated", (x, gate))]:
         y, _ = both_schedules(mn, getattr(mn.layers, name).forward, module, *args)
         assert_norm_close(y, getattr(cn.layers, name).forward(module, *args), torch.float32)
+
+
+# ---- topk -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("experts", "k", "fused"), [(8, 2, True), (64, 8, True), (1024, 4, True), (2048, 4, False)])
+@pytest.mark.parametrize(("softmax", "normalize"), [(True, False), (True, True), (False, False)])
+def test_top_k_routing(mt, ct, experts, k, fused, softmax, normalize):
+    """llama.cpp's routing graph; upstream fuses it into kernel_topk_moe_f32 (softmax, <= 1024
+    experts). Against the CPU build's ggml routing and torch in float64 (the same chosen experts:
+    random float32 logits have no ties): weights within 2^-21 relative (float32 exp and sums in
+    another order; observed < 2e-7)."""
+    g = torch.Generator().manual_seed(experts + k)
+    x = 3 * torch.randn(5, experts, generator=g)
+    (w, i), kernels = both_schedules(mt, mt.ops.top_k, x, k, softmax, normalize, None, None)
+    assert ("kernel_topk_moe_f32" in kernels) == (fused and softmax), kernels
+    w_cpu, i_cpu = ct.ops.top_k_ggml(x, k, softmax, normalize)
+    assert torch.equal(i, i_cpu) and i.dtype == torch.int64
+    p = torch.softmax(x.double(), -1) if softmax else x.double()
+    want_w, want_i = torch.topk(p, k)
+    if normalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(i, want_i)
+    for got in (w, w_cpu):
+        assert ((got.double() - want_w).abs() <= 2.0**-21 * want_w.abs()).all()
+
+
+def test_top_k_ties_and_dtypes(mt):
+    """Tied logits: the weights are the k largest (which tied expert comes first is the kernel's);
+    weights in the asked dtype, int32 indices on request; the Python API's n-D rows."""
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 2.0]]).repeat(2, 3, 1)
+    w, i = mt.softmax_top_k(x, 4, dtype=torch.float16, index_dtype=torch.int32)
+    assert w.shape == (2, 3, 4) and w.dtype == torch.float16 and i.dtype == torch.int32
+    chosen = torch.gather(x, -1, i.long())
+    assert torch.equal(chosen.sort(-1, descending=True).values, torch.topk(x, 4).values)
+    top = torch.topk(torch.softmax(x, -1), 4).values
+    torch.testing.assert_close(w, (top / top.sum(-1, keepdim=True)).half(), rtol=2.0**-10, atol=0)
+
+
+def test_top_k_bad_rows_raise_as_the_cpu_build(mt, ct):
+    x = torch.randn(3, 8)
+    x[1, 2] = float("nan")
+    for module in (mt, ct):
+        with pytest.raises(ValueError, match="logits contain NaN"):
+            module.ops.top_k(x, 2, True, False, None, None)
+    x = torch.full((2, 8), float("-inf"))
+    with pytest.raises(ValueError, match="is -inf: softmax is undefined"):
+        mt.ops.top_k(x, 2, True, False, None, None)

@@ -169,11 +169,12 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
   std::vector<HostTensor> host;
   for (ggml_tensor* t : order) {
     restore.saved.emplace_back(t, *t);
-    if (t->view_src != nullptr || t->data == nullptr) continue;
-    HostTensor h{t,
-                 static_cast<char*>(t->data),
-                 {t->nb[0], t->nb[1], t->nb[2], t->nb[3]},
-                 wanted.count(t) > 0};
+    const bool result = wanted.count(t) > 0;
+    if (!result && (t->view_src != nullptr || t->data == nullptr)) continue;
+    // a result may be a reshape (dense like its source: read back through it), not another view
+    TORCH_CHECK(t->view_src == nullptr || t->op == GGML_OP_RESHAPE,
+                "ggml-kernels: a graph result is a strided view; make it ggml_cont first");
+    HostTensor h{t, static_cast<char*>(t->data), {t->nb[0], t->nb[1], t->nb[2], t->nb[3]}, result};
     if (h.result) make_dense(t);
     host.push_back(h);
   }

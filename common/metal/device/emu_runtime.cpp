@@ -8,6 +8,7 @@
 #endif
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define GK_FIBER_ASAN 1  // AddressSanitizer is told about every stack switch
 #endif
@@ -293,6 +294,11 @@ void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, 
     f.thread.index = i, f.thread.simdgroup = i / kSimdWidth, f.thread.lane = i % kSimdWidth;
     f.thread.simdgroups = (threads + kSimdWidth - 1) / kSimdWidth;
     f.stack = t_stacks[i].get();
+#if GK_FIBER_ASAN
+    // a finished fiber never returns from its frames: their redzones stay poisoned on the reused
+    // stack
+    ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);
+#endif
     context_init(f.context, f.stack, kStackBytes, fiber_main);
   }
   Threadgroup* outer = t_group;

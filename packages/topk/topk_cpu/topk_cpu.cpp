@@ -28,50 +28,16 @@
 #include <utility>
 #include <vector>
 
+#include "checks.h"
 #include "ggml_torch.h"
 #include "torch_binding.h"
 
 using namespace ggml_kernels;
+using namespace topk_ops;
 
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// Rows with a problem, found inside the parallel loop and reported after it (a worker never
-// throws). Each slot keeps the first offending row.
-struct RowErrors {
-  std::atomic<int64_t> nan{INT64_MAX};
-  std::atomic<int64_t> all_neg_inf{INT64_MAX};
-  std::atomic<int64_t> pos_inf{INT64_MAX};
-
-  static void note(std::atomic<int64_t>& slot, int64_t row) {
-    int64_t cur = slot.load(std::memory_order_relaxed);
-    while (row < cur && !slot.compare_exchange_weak(cur, row, std::memory_order_relaxed)) {
-    }
-  }
-
-  void raise_if_any(const at::Tensor& logits) const {
-    const int64_t row_nan = nan.load(), row_ninf = all_neg_inf.load();
-    TORCH_CHECK_VALUE(row_nan == INT64_MAX, "logits contain NaN (first in token row ", row_nan,
-                      " of ", logits.size(0), "): no expert can be chosen for it");
-    TORCH_CHECK_VALUE(row_ninf == INT64_MAX, "every logit of token row ", row_ninf,
-                      " is -inf: softmax is undefined there (all experts masked out)");
-  }
-};
-
-void check_args(const at::Tensor& logits, int64_t k, bool softmax, bool normalize) {
-  check_cpu(logits, "logits");
-  check_dtype(logits, {at::kFloat, at::kBFloat16, at::kHalf}, "logits");
-  TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be 2-D (tokens, experts), got shape ",
-                    logits.sizes());
-  const int64_t experts = logits.size(1);
-  TORCH_CHECK_VALUE(k >= 1, "k must be at least 1, got k=", k);
-  TORCH_CHECK_VALUE(k <= experts, "k=", k, " is larger than the number of experts (", experts,
-                    ", logits shape ", logits.sizes(), ")");
-  TORCH_CHECK_VALUE(experts <= std::numeric_limits<int32_t>::max(), "too many experts: ", experts);
-  TORCH_CHECK_VALUE(softmax || !normalize,
-                    "normalize=True needs softmax=True (renormalising raw logits is not defined)");
-}
 
 // Rows worth of work each thread takes at least: ~8K logits, so that decode (one token) and small
 // batches run inline on the calling thread where waking another would cost more than it saves.
@@ -453,31 +419,6 @@ at::Tensor dense_rows(const at::Tensor& t) {
 
 // ---- top_k_ggml's steps ----
 
-// The rows ggml's routing cannot take, refused before any graph runs: NaN, and with softmax a row
-// of -inf only or one holding +inf (ggml's soft_max turns it into NaN, which its top_k then takes).
-void refuse_rows_ggml_cannot_route(const at::Tensor& xf, bool softmax) {
-  const int64_t rows = xf.size(0), n = xf.size(1);
-  RowErrors errors;
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    bool nan = false;
-    float mx = -kInf;
-    for (int64_t i = 0; i < n; ++i) {
-      const float f = xp[r * n + i];
-      nan |= f != f;
-      mx = f > mx ? f : mx;
-    }
-    if (nan) RowErrors::note(errors.nan, r);
-    if (softmax && mx == -kInf) RowErrors::note(errors.all_neg_inf, r);
-    if (softmax && mx == kInf) RowErrors::note(errors.pos_inf, r);
-  }
-  errors.raise_if_any(xf);
-  TORCH_CHECK_VALUE(errors.pos_inf.load() == INT64_MAX, "top_k_ggml: token row ",
-                    errors.pos_inf.load(),
-                    " holds +inf, which ggml's soft_max turns into NaN (top_k "
-                    "takes it)");
-}
-
 // Rows [r0, r1) of xf (T, E) float32 routed by one ggml graph: soft_max_ext -> top_k -> get_rows
 // [-> sum_rows, div], the k chosen of each row written into weights / idx32 (T, k) in ggml's order.
 void ggml_route_rows(const at::Tensor& xf, int64_t k, bool softmax, bool normalize, int64_t r0,
@@ -527,12 +468,7 @@ std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_
                                              bool normalize, std::optional<at::ScalarType> dtype,
                                              std::optional<at::ScalarType> index_dtype) {
   check_args(logits_in, k, softmax, normalize);
-  const at::ScalarType wdt = dtype.value_or(logits_in.scalar_type());
-  TORCH_CHECK_TYPE(wdt == at::kFloat || wdt == at::kBFloat16 || wdt == at::kHalf,
-                   "dtype (of the weights) must be float32, bfloat16 or float16, got ", wdt);
-  const at::ScalarType idt = index_dtype.value_or(at::kLong);
-  TORCH_CHECK_TYPE(idt == at::kLong || idt == at::kInt, "index_dtype must be int64 or int32, got ",
-                   idt);
+  const auto [wdt, idt] = output_dtypes(logits_in, dtype, index_dtype);
   const int64_t rows = logits_in.size(0);
   auto weights = at::empty({rows, k}, logits_in.options().dtype(wdt));
   auto indices = at::empty({rows, k}, logits_in.options().dtype(idt));
@@ -563,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor> top_k_ggml_cpu(const at::Tensor& logits_in, i
 
   const at::Tensor xf =
       logits_in.to(at::kFloat).contiguous();  // ggml's soft_max takes float32 rows
-  refuse_rows_ggml_cannot_route(xf, softmax);
+  refuse_rows_ggml_cannot_route(xf, softmax, "top_k_ggml");
   parallel_chunks(rows, min_rows_per_task(xf.size(1)), 1, 2, [&](int64_t r0, int64_t r1) {
     ggml_route_rows(xf, k, softmax, normalize, r0, r1, weights, idx32);
     sort_chosen(weights, idx32, r0, r1);

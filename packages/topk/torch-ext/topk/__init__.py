@@ -19,13 +19,15 @@ import operator
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import check_dtype, dtype_name, info
+from ._ggml_runtime import check_dtype, dtype_name, info, metal_dispatches, reset_metal_dispatches
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
     "info",
     "layers",
+    "metal_dispatches",
     "reference",
+    "reset_metal_dispatches",
     "softmax_top_k",
     "top_k",
     "top_k_ggml",
