@@ -1,4 +1,4 @@
-"""ggml-quantization, ggml-norm and topk on Metal: the emulated builds (packages/<name>/build-metal-emu/,
+"""ggml-quantization, ggml-norm, topk and ggml-gated-delta-net on Metal: the emulated builds (packages/<name>/build-metal-emu/,
 loaded as users would with kernels.get_local_kernel) against the CPU builds and the references.
 
 Every op runs through upstream's Metal host code (its kernel choice, grid, function constants and
@@ -50,34 +50,21 @@ def _load(package: str, folder: str):
     return kernels.get_local_kernel(Path(path), backend="cpu")
 
 
-@pytest.fixture(scope="module")
-def mq():
-    return _load("ggml-quantization", "build-metal-emu")
+def _build_fixture(name: str, package: str, folder: str):
+    """A module-scoped fixture `name` holding one build of a package."""
+    return pytest.fixture(scope="module", name=name)(lambda: _load(package, folder))
 
 
-@pytest.fixture(scope="module")
-def cq():
-    return _load("ggml-quantization", "build")
-
-
-@pytest.fixture(scope="module")
-def mt():
-    return _load("topk", "build-metal-emu")
-
-
-@pytest.fixture(scope="module")
-def ct():
-    return _load("topk", "build")
-
-
-@pytest.fixture(scope="module")
-def mn():
-    return _load("ggml-norm", "build-metal-emu")
-
-
-@pytest.fixture(scope="module")
-def cn():
-    return _load("ggml-norm", "build")
+# m*: a package's emulated-Metal build, c*: its CPU build (q: ggml-quantization, t: topk,
+# g: ggml-gated-delta-net, n: ggml-norm)
+mq = _build_fixture("mq", "ggml-quantization", "build-metal-emu")
+cq = _build_fixture("cq", "ggml-quantization", "build")
+mt = _build_fixture("mt", "topk", "build-metal-emu")
+ct = _build_fixture("ct", "topk", "build")
+mg = _build_fixture("mg", "ggml-gated-delta-net", "build-metal-emu")
+cg = _build_fixture("cg", "ggml-gated-delta-net", "build")
+mn = _build_fixture("mn", "ggml-norm", "build-metal-emu")
+cn = _build_fixture("cn", "ggml-norm", "build")
 
 
 def both_schedules(module, fn, *args, **kwargs):
@@ -96,8 +83,13 @@ def both_schedules(module, fn, *args, **kwargs):
         runtime.set_lane_schedule(False)
     first, second = (r if isinstance(r, (list, tuple)) else [r] for r in results)
     for a, b in zip(first, second, strict=True):
-        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a, b.view(torch.uint8) if b.dtype.is_floating_point else b)
+        assert torch.equal(_bits(a), _bits(b))
     return results[0], dispatched
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes (NaN payloads included), whatever its strides."""
+    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
 
 
 def storage_types(cq):
@@ -465,3 +457,102 @@ def test_top_k_bad_rows_raise_as_the_cpu_build(mt, ct):
     x = torch.full((2, 8), float("-inf"))
     with pytest.raises(ValueError, match="is -inf: softmax is undefined"):
         mt.ops.top_k(x, 2, True, False, None, None)
+
+
+# ---- ggml-gated-delta-net ----------------------------------------------------------------------
+
+
+def assert_float_close(got, want, tol):
+    """|got - want| <= tol * max|want| (float32 recurrences summed in another order)."""
+    scale = want.double().abs().max().clamp_min(1e-30)
+    assert ((got.double() - want.double()).abs() <= tol * scale).all(), ((got - want).abs().max() / scale).item()
+
+
+def delta_net_inputs(B, T, Hk, Hv, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, Hk, D, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, Hv, D, generator=g).to(dtype)
+    gate = -torch.rand(B, T, Hv, generator=g)
+    beta = torch.rand(B, T, Hv, generator=g)
+    state = 0.1 * torch.randn(B, Hv, D, D, generator=g)
+    return q, k, v, gate, beta, state
+
+
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize(("T", "Hk", "Hv", "D"), [(1, 2, 2, 32), (1, 2, 8, 128), (7, 1, 4, 64), (7, 2, 4, 128)])
+def test_gated_delta_net(mg, cg, T, Hk, Hv, D, l2):
+    """Upstream's kernel_gated_delta_net_f32_<D/32> for decode (T = 1) and prefill, GQA ratios 1 to
+    8, with a state; against the CPU build and the reference within 1e-5 of the output scale
+    (observed ~1e-8: float32 sums of D products in SIMD order)."""
+    q, k, v, gate, beta, state = delta_net_inputs(2, T, Hk, Hv, D, seed=T + Hv + D)
+    if not l2:
+        q, k = q / D**0.5, k / D**0.5  # keep the recurrence bounded
+    (out, new_state), kernels = both_schedules(mg, mg.ops.gated_delta_net, q, k, v, gate, beta, state, l2, None)
+    assert f"kernel_gated_delta_net_f32_{D // 32}" in kernels, kernels
+    out_cpu, state_cpu = cg.ops.gated_delta_net(q, k, v, gate, beta, state, l2, None)
+    assert_float_close(out, out_cpu, 1e-5)
+    assert_float_close(new_state, state_cpu, 1e-5)
+    out_ref, state_ref = mg.reference.gated_delta_net(q, k, v, gate, beta, state, l2_normalize_qk=l2)
+    assert_float_close(out, out_ref, 1e-5)
+    assert_float_close(new_state, state_ref, 1e-5)
+
+
+def test_gated_delta_net_in_place_without_state_and_bf16(mg, cg):
+    q, k, v, gate, beta, _ = delta_net_inputs(1, 3, 2, 4, 64, dtype=torch.bfloat16, seed=1)
+    out, state = mg.gated_delta_net(q, k, v, gate, beta, l2_normalize_qk=True, scale=0.2)
+    out_cpu, state_cpu = cg.gated_delta_net(q, k, v, gate, beta, l2_normalize_qk=True, scale=0.2)
+    assert out.dtype == torch.bfloat16
+    assert_float_close(out.float(), out_cpu.float(), 2.0**-7)
+    assert_float_close(state, state_cpu, 1e-5)
+    q1, k1, v1, g1, b1, _ = delta_net_inputs(1, 1, 2, 4, 64, dtype=torch.bfloat16, seed=2)
+    cached, cached_cpu = state.clone(), state_cpu.clone()
+    (y,), _ = both_schedules(mg, lambda: [mg.gated_delta_net_(q1, k1, v1, g1, b1, cached.clone(), l2_normalize_qk=True)])
+    mg.gated_delta_net_(q1, k1, v1, g1, b1, cached, l2_normalize_qk=True)
+    cg.gated_delta_net_(q1, k1, v1, g1, b1, cached_cpu, l2_normalize_qk=True)
+    assert_float_close(y.float(), cg.gated_delta_net_(q1, k1, v1, g1, b1, state_cpu.clone(), l2_normalize_qk=True).float(), 2.0**-7)
+    assert_float_close(cached, cached_cpu, 1e-5)
+
+
+def test_gated_delta_net_head_sizes_refused_alike(mg, cg):
+    q, k, v, gate, beta, state = delta_net_inputs(1, 1, 1, 1, 16)
+    for module in (mg, cg):
+        with pytest.raises(ValueError, match="head dim 16 is not supported"):
+            module.ops.gated_delta_net(q, k, v, gate, beta, state, True, None)
+
+
+@pytest.mark.parametrize("taps", [4, 2])
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d(mg, cg, taps, with_state, dtype):
+    """kernel_ssm_conv_* (+ bias, SiLU) for a prefill (T = 6) and a decode step (T = 1, in place),
+    against the CPU build: float32 sums of `taps` products, 1e-6 of the scale."""
+    g = torch.Generator().manual_seed(taps)
+    x = torch.randn(2, 48, 6, generator=g).to(dtype)
+    w, b = torch.randn(48, 1, taps, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    state = torch.randn(2, 48, taps, generator=g) if with_state else None
+    (y, new_state), kernels = both_schedules(mg, mg.causal_conv1d, x, w, state, bias=b)
+    assert any(k.startswith("kernel_ssm_conv") for k in kernels), kernels
+    y_cpu, state_cpu = cg.causal_conv1d(x, w, state, bias=b)
+    assert_float_close(y.float(), y_cpu.float(), 1e-6 if dtype == torch.float32 else 2.0**-7)
+    assert torch.equal(new_state, state_cpu)
+    x1 = torch.randn(2, 48, 1, generator=g).to(dtype)
+    cache, cache_cpu = state_cpu.clone(), state_cpu.clone()
+    y1 = mg.causal_conv1d_(x1, w, cache, bias=b)
+    y1_cpu = cg.causal_conv1d_(x1, w, cache_cpu, bias=b)
+    assert_float_close(y1.float(), y1_cpu.float(), 1e-6 if dtype == torch.float32 else 2.0**-7)
+    assert torch.equal(cache, cache_cpu)
+
+
+def test_gates_l2_norm_and_gated_rms_norm(mg, cg):
+    g = torch.Generator().manual_seed(9)
+    A, dt = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    a, b = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    (gate, beta), kernels = both_schedules(mg, mg.gates, A, a, dt, b)
+    for got, want in zip((gate, beta), cg.gates(A, a, dt, b), strict=True):
+        assert_float_close(got, want, 1e-6)
+    x, z, w = torch.randn(4, 3, 128, generator=g), torch.randn(4, 3, 128, generator=g), torch.randn(128, generator=g)
+    y, kernels = both_schedules(mg, mg.gated_rms_norm, x, z, w)
+    assert "kernel_swiglu_f32" in kernels, kernels
+    assert_float_close(y, cg.gated_rms_norm(x, z, w), 1e-6)
+    y, _ = both_schedules(mg, mg.l2_norm, x)
+    assert_float_close(y, cg.l2_norm(x), 1e-6)

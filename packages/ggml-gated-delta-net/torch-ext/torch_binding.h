@@ -6,17 +6,26 @@
 #include <optional>
 #include <tuple>
 
-// CPU backend (ggml_gated_delta_net_cpu/gated_delta_net_cpu.cpp).
-std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                       const at::Tensor& v, const at::Tensor& g,
-                                                       const at::Tensor& beta,
-                                                       const std::optional<at::Tensor>& state,
-                                                       bool l2_normalize_qk,
-                                                       std::optional<double> scale);
-at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& g,
-                                       const at::Tensor& beta, at::Tensor& state,
-                                       bool l2_normalize_qk, std::optional<double> scale);
+// Every backend (ggml_gated_delta_net_ops/delta_net.cpp: ggml graphs the build's backend runs).
+namespace gdn_ops {
+std::tuple<at::Tensor, at::Tensor> gated_delta_net(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& g,
+                                                   const at::Tensor& beta,
+                                                   const std::optional<at::Tensor>& state,
+                                                   bool l2_normalize_qk,
+                                                   std::optional<double> scale);
+at::Tensor gated_delta_net_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                   bool l2_normalize_qk, std::optional<double> scale);
+at::Tensor l2_norm(const at::Tensor& x, double eps);
+std::tuple<at::Tensor, at::Tensor> gates(const at::Tensor& A_log, const at::Tensor& a,
+                                         const at::Tensor& dt_bias, const at::Tensor& b);
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+                          double eps);
+}  // namespace gdn_ops
+
+// causal_conv1d per backend: ggml_gated_delta_net_cpu/conv_cpu.cpp (SSM_CONV's sums, vectorised),
+// ggml_gated_delta_net_metal/conv_metal.cpp (a SSM_CONV graph).
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
                                                      const std::optional<at::Tensor>& state,
                                                      const std::optional<at::Tensor>& bias,
@@ -24,8 +33,11 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const 
 at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight,
                                      at::Tensor& state, const std::optional<at::Tensor>& bias,
                                      std::optional<c10::string_view> activation);
-at::Tensor l2_norm_cpu(const at::Tensor& x, double eps);
-std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::Tensor& a,
-                                             const at::Tensor& dt_bias, const at::Tensor& b);
-at::Tensor gated_rms_norm_cpu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
-                              double eps);
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_metal(const at::Tensor& x,
+                                                       const at::Tensor& weight,
+                                                       const std::optional<at::Tensor>& state,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       std::optional<c10::string_view> activation);
+at::Tensor causal_conv1d_inplace_metal(const at::Tensor& x, const at::Tensor& weight,
+                                       at::Tensor& state, const std::optional<at::Tensor>& bias,
+                                       std::optional<c10::string_view> activation);

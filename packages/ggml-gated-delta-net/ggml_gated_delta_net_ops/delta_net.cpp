@@ -1,20 +1,19 @@
-// ggml-gated-delta-net on the CPU: ggml-cpu's own GATED_DELTA_NET op (with rms_norm, softplus,
-// sigmoid, silu and swiglu around it) on views of the torch tensors, and SSM_CONV's arithmetic.
+// ggml-gated-delta-net's graph ops, for every backend: ggml's GATED_DELTA_NET op (with rms_norm,
+// softplus, sigmoid, silu and swiglu around it) on views of the torch tensors, run by the build's
+// backend (ggml-cpu, or upstream's Metal backend). causal_conv1d is per backend (conv_cpu.cpp,
+// conv_metal.cpp).
 //
-// gated_delta_net: one single-threaded ggml graph per slice of (sequence, value heads), the slices
-// spread over torch's threads (parallel_chunks). ggml pairs value head h with key head h % Hk
-// (tiled) but sequence i with q/k sequence i / (n_seqs / n_q_seqs) (interleaved); transformers
-// repeats key heads with repeat_interleave (value head h reads key head h / (Hv / Hk)). So each
-// slice puts its value heads in ggml's sequence dim (one head per "sequence", strides kept, no
-// copies of q/k/v) and the interleaved broadcast is exactly transformers'. ggml keeps the state
-// transposed ({Dk, Dv} fastest-first: row j of a head's block is column j of transformers' S); the
-// op returns the final state in that memory layout as a (B, Hv, Dk, Dv) view, and takes a state in
-// either layout (transposing only a transformers-contiguous one). ggml scales the output by
-// 1/sqrt(D); q is pre-scaled so that the result is S^T (scale * q) for the caller's scale (default
-// D^-0.5, transformers' convention).
-//
-// causal_conv1d: ggml SSM_CONV's sums (+ SiLU), computed directly over blocks of channels (see
-// ConvCall), channels split over torch's threads.
+// gated_delta_net: one ggml graph per slice of (sequence, value heads): on the CPU single-threaded
+// graphs spread over torch's threads (parallel_chunks), on Metal one graph per sequence. ggml pairs
+// value head h with key head h % Hk (tiled) but sequence i with q/k sequence i / (n_seqs /
+// n_q_seqs) (interleaved); transformers repeats key heads with repeat_interleave (value head h
+// reads key head h / (Hv / Hk)). So each slice puts its value heads in ggml's sequence dim (one
+// head per "sequence", strides kept, no copies of q/k/v) and the interleaved broadcast is exactly
+// transformers'. ggml keeps the state transposed ({Dk, Dv} fastest-first: row j of a head's block
+// is column j of transformers' S); the op returns the final state in that memory layout as a (B,
+// Hv, Dk, Dv) view, and takes a state in either layout (transposing only a transformers-contiguous
+// one). ggml scales the output by 1/sqrt(D); q is pre-scaled so that the result is S^T (scale * q)
+// for the caller's scale (default D^-0.5, transformers' convention).
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -24,41 +23,34 @@
 #include <cstring>
 #include <string>
 
+#include "gdn_ops.h"
 #include "ggml_torch.h"
 #include "torch_binding.h"
 
 using namespace ggml_kernels;
+using namespace gdn_ops;
 
 namespace {
 
 constexpr int64_t kHeadDims[] = {32, 64, 128};
-constexpr int64_t kMaxConvTaps = 64;  // causal_conv1d's kernel sizes (Qwen3.5 and Mamba use 4)
-
-void check_float(const at::Tensor& t, const char* name) {
-  check_cpu(t, name);
-  check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf}, name);
-}
-
-// t as float32 inside the graph (a ggml cast when it is bf16 / f16).
-ggml_tensor* as_f32(Graph& g, ggml_tensor* t) {
-  return t->type == GGML_TYPE_F32 ? t : ggml().ggml_cast(g.ctx(), t, GGML_TYPE_F32);
-}
-
-// A float32 result cast to `dtype`, to be computed straight into a dst of that dtype.
-ggml_tensor* as_dtype(Graph& g, ggml_tensor* t, at::ScalarType dtype) {
-  const ggml_type want = ggml_type_of(dtype);
-  return t->type == want ? t : ggml().ggml_cast(g.ctx(), t, want);
-}
 
 // ggml rows must be dense; every other stride is kept.
 at::Tensor dense_rows(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
-std::string shape_str(std::initializer_list<int64_t> dims) {
-  std::string s = "[";
-  for (auto d : dims) s += (s.size() > 1 ? ", " : "") + std::to_string(d);
-  return s + "]";
+// ggml-cpu's GATED_DELTA_NET broadcasts q / k over sequences (sequence i reads q sequence i / r);
+// ggml-metal's kernel reads q / k at the value sequence's own index (no broadcast: past q's end
+// when q has fewer sequences). On Metal the key heads are therefore repeated first (r becomes 1).
+#ifdef GGML_KERNELS_BACKEND_METAL
+constexpr bool kRepeatKeyHeads = true;
+#else
+constexpr bool kRepeatKeyHeads = false;
+#endif
+
+// q or k (B, T, Hk, D) as the graphs read it: key heads repeated r times on Metal.
+at::Tensor key_heads(const at::Tensor& x, int64_t r) {
+  return dense_rows(kRepeatKeyHeads && r > 1 ? x.repeat_interleave(r, 2) : x);
 }
 
 // dst[h][i][j] = src[h][j][i] for hs blocks of D x D floats (src block stride `src_stride`).
@@ -200,7 +192,7 @@ class DeltaNetCall {
                const at::Tensor& beta, const std::optional<at::Tensor>& state, bool l2_normalize_qk,
                std::optional<double> scale, bool in_place, const DeltaNetDims& dims)
       : dims_(dims),
-        r_(dims.Hv / dims.Hk),
+        r_(kRepeatKeyHeads ? 1 : dims.Hv / dims.Hk),
         l2_normalize_qk_(l2_normalize_qk),
         in_place_(in_place),
         has_state_(state.has_value() && state->defined()),
@@ -210,8 +202,8 @@ class DeltaNetCall {
         state_is_ggml_(has_state_ && state->transpose(2, 3).is_contiguous()),
         state_(has_state_ ? *state : at::Tensor()),
         state_t_(has_state_ && !state_is_ggml_ ? state->contiguous() : at::Tensor()),
-        q_(dense_rows(q)),
-        k_(dense_rows(k)),
+        q_(key_heads(q, dims.Hv / dims.Hk)),
+        k_(key_heads(k, dims.Hv / dims.Hk)),
         v_(dense_rows(v)),
         // g and beta as float32 once for all slices (no copy when they already are).
         g_(g.to(at::kFloat)),
@@ -364,291 +356,21 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_net_impl(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> gated_delta_net_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                       const at::Tensor& v, const at::Tensor& g,
-                                                       const at::Tensor& beta,
-                                                       const std::optional<at::Tensor>& state,
-                                                       bool l2_normalize_qk,
-                                                       std::optional<double> scale) {
+std::tuple<at::Tensor, at::Tensor> gdn_ops::gated_delta_net(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& beta, const std::optional<at::Tensor>& state, bool l2_normalize_qk,
+    std::optional<double> scale) {
   return gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, false);
 }
 
-at::Tensor gated_delta_net_inplace_cpu(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& g,
-                                       const at::Tensor& beta, at::Tensor& state,
-                                       bool l2_normalize_qk, std::optional<double> scale) {
+at::Tensor gdn_ops::gated_delta_net_inplace(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& g,
+                                            const at::Tensor& beta, at::Tensor& state,
+                                            bool l2_normalize_qk, std::optional<double> scale) {
   return std::get<0>(gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, true));
 }
 
-namespace {
-
-struct ConvDims {
-  int64_t B, C, T, K, W;  // W: the rolling state's width (K without a state)
-  bool silu;
-};
-
-// The rules of both entry points (in_place: the new rolling state overwrites `state`, which must
-// then be given, be float32 or x's dtype, and share no memory with the inputs); returns the dims.
-ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& state,
-                           const std::optional<at::Tensor>& bias,
-                           std::optional<c10::string_view> activation, bool in_place) {
-  check_float(x, "x");
-  check_dim(x, 3, "x (batch, channels, tokens)");
-  check_float(weight, "weight");
-  TORCH_CHECK_VALUE(weight.dim() == 2 || (weight.dim() == 3 && weight.size(1) == 1),
-                    "weight must be (channels, 1, kernel) or (channels, kernel), got shape ",
-                    weight.sizes());
-  const int64_t B = x.size(0), C = x.size(1), T = x.size(2), K = weight.size(-1);
-  TORCH_CHECK_VALUE(weight.size(0) == C, "weight has ", weight.size(0),
-                    " channels but x (batch, channels, tokens) ", x.sizes(), " has ", C);
-  TORCH_CHECK_VALUE(K >= 1 && K <= kMaxConvTaps, "the kernel size must be 1 to ", kMaxConvTaps,
-                    ", got weight shape ", weight.sizes());
-  bool silu = false;
-  if (activation.has_value()) {
-    const std::string act(activation->data(), activation->size());
-    TORCH_CHECK_VALUE(act == "silu" || act == "swish",
-                      "activation must be None, 'silu' or 'swish', got '", act, "'");
-    silu = true;
-  }
-  const bool has_state = state.has_value() && state->defined();
-  if (has_state) {
-    check_float(*state, "state");
-    TORCH_CHECK_VALUE(
-        state->dim() == 3 && state->size(0) == B && state->size(1) == C && state->size(2) >= K - 1,
-        "state must be (batch, channels, >= kernel - 1) = ", shape_str({B, C, K - 1}),
-        " or wider (transformers keeps ", K, " columns), got ", state->sizes());
-  }
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    check_float(*bias, "bias");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == C, "bias must be (channels,) = (", C,
-                      ",), got ", bias->sizes());
-  }
-  if (in_place) {
-    TORCH_CHECK_VALUE(has_state, "causal_conv1d_ updates a state in place: state must not be None");
-    TORCH_CHECK_TYPE(state->scalar_type() == at::kFloat || state->scalar_type() == x.scalar_type(),
-                     "state must be float32 or x's dtype (", x.scalar_type(), "), got ",
-                     state->scalar_type());
-    check_no_internal_overlap(*state, "state");
-    check_no_overlap(*state, "state", x, "x");
-    check_no_overlap(*state, "state", weight, "weight");
-    if (has_bias) check_no_overlap(*state, "state", *bias, "bias");
-  }
-  return {B, C, T, K, has_state ? state->size(2) : K, silu};
-}
-
-// x86-64: the loop below compiled for AVX-512, AVX2 and the baseline, picked when the library
-// loads.
-#if defined(__x86_64__)
-#define VECTOR_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
-#else
-#define VECTOR_CLONES
-#endif
-constexpr int64_t kConvBlock = 16;  // channels: one 64-byte line of float32
-typedef float ConvVec __attribute__((vector_size(kConvBlock * sizeof(float))));
-
-// Raw views of one causal_conv1d call's float32 operands: (B, T, C) x rows and outputs, (C, K)
-// weights, the K - 1 state columns the conv reads (any strides; null without a state), the bias.
-struct ConvOperands {
-  const float* x;
-  float* out;
-  const float* w;
-  const float* head;
-  int64_t head_sb, head_sc, head_sj;
-  const float* bias;  // null without a bias
-  int64_t C, T, K;
-};
-
-// Channels [c0, c1) of sequence b, kConvBlock at a time: out[t, c] = sum_j w[c, j] * in(t + j)[c]
-// (+ bias[c]), where in(i) is state column i for i < K - 1, then x's row i - (K - 1). A block's
-// weights and state columns are first laid out as one vector per tap / column. A block is one
-// AVX-512 register, two AVX2 ones (a 4-wide SSE2 build spills the block's sum).
-VECTOR_CLONES void conv_channels(const ConvOperands& a, int64_t b, int64_t c0, int64_t c1) {
-  const int64_t C = a.C, T = a.T, K = a.K;
-  const float* x = a.x + b * T * C;
-  float* out = a.out + b * T * C;
-  if (T == 1) {  // a decode step: one sum per channel, cheaper than laying blocks out as vectors
-    const float* head = a.head != nullptr ? a.head + b * a.head_sb : nullptr;
-    for (int64_t c = c0; c < c1; ++c) {
-      const float* w = a.w + c * K;
-      float acc = 0.0f;
-      for (int64_t j = 0; j < K - 1; ++j)
-        acc += w[j] * (head != nullptr ? head[c * a.head_sc + j * a.head_sj] : 0.0f);
-      acc += w[K - 1] * x[c];
-      out[c] = acc + (a.bias != nullptr ? a.bias[c] : 0.0f);
-    }
-    return;
-  }
-  for (int64_t cb = c0; cb < c1; cb += kConvBlock) {
-    const int64_t n = std::min(kConvBlock, c1 - cb);
-    ConvVec taps[kMaxConvTaps], head[kMaxConvTaps], bias = {};  // lanes past n stay zero
-    for (int64_t j = 0; j < K; ++j) taps[j] = head[j] = ConvVec{};
-    for (int64_t c = 0; c < n; ++c)
-      for (int64_t j = 0; j < K; ++j) taps[j][c] = a.w[(cb + c) * K + j];
-    if (a.head != nullptr) {
-      const float* s = a.head + b * a.head_sb + cb * a.head_sc;
-      for (int64_t c = 0; c < n; ++c)
-        for (int64_t j = 0; j < K - 1; ++j) head[j][c] = s[c * a.head_sc + j * a.head_sj];
-    }
-    if (a.bias != nullptr)
-      for (int64_t c = 0; c < n; ++c) bias[c] = a.bias[cb + c];
-    for (int64_t t = 0; t < T; ++t) {
-      ConvVec acc = {};
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t i = t + j - (K - 1);
-        ConvVec in;
-        if (i < 0) {
-          in = head[i + K - 1];
-        } else if (n == kConvBlock) {
-          std::memcpy(&in, x + i * C + cb, sizeof(in));
-        } else {  // a partial block's row, zero-padded
-          in = ConvVec{};
-          std::memcpy(&in, x + i * C + cb, static_cast<size_t>(n) * sizeof(float));
-        }
-        acc += taps[j] * in;
-      }
-      acc += bias;
-      std::memcpy(out + t * C + cb, &acc, static_cast<size_t>(n) * sizeof(float));
-    }
-  }
-}
-
-// One causal_conv1d call, computed here rather than by ggml's SSM_CONV: ggml walks one channel's
-// strided input row per output, a scalar chain of K products each (~0.2 ms of a 16-token,
-// 6144-channel Qwen3.5 prefill on 2 threads). The same sums, in the same order (taps 0..K-1 from
-// zero, then the bias), run here over blocks of kConvBlock channels token by token: x's (B, T, C)
-// rows are read as they lie and every step is one vector operation over a block. SiLU is torch's,
-// on the whole output.
-//
-// in_place: when the new state is the conv's whole input, [last K - 1 state columns | x]
-// (W == K - 1 + T: a decode step on transformers' K-wide cache), each range of channels is rolled
-// in place once its outputs are computed (`rolled_`): no new state tensor, no copy back.
-class ConvCall {
- public:
-  ConvCall(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& state,
-           const std::optional<at::Tensor>& bias, bool in_place, const ConvDims& dims)
-      : dims_(dims),
-        in_place_(in_place),
-        has_state_(state.has_value() && state->defined()),
-        has_bias_(bias.has_value() && bias->defined()),
-        rolled_(in_place && dims.W == dims.K - 1 + dims.T && dims.T > 0 &&
-                state->scalar_type() == at::kFloat && state->is_contiguous()),
-        x_(x),
-        state_(has_state_ ? *state : at::Tensor()),
-        // (B, T, C) float32: the layer's float32 x (a transposed view of such rows) is not copied
-        rows_(x.transpose(1, 2).to(at::kFloat).contiguous()),
-        w_(weight.reshape({dims.C, dims.K}).to(at::kFloat).contiguous()),
-        bias_(has_bias_ ? bias->to(at::kFloat).contiguous() : at::Tensor()),
-        // the K - 1 state columns the conv reads, as float32 (a view of a float32 state)
-        head_(has_state_ && dims.K > 1
-                  ? state->narrow(2, dims.W - (dims.K - 1), dims.K - 1).to(at::kFloat)
-                  : at::Tensor()),
-        out_(at::empty({dims.B, dims.T, dims.C}, x.options().dtype(at::kFloat))) {}
-
-  // (y (B, C, T), the new rolling state: `state` itself in place)
-  std::tuple<at::Tensor, at::Tensor> run() {
-    const auto [B, C, T, K, W, silu] = dims_;
-    if (B > 0 && C > 0 && T > 0) {
-      const int64_t blocks = (C + kConvBlock - 1) / kConvBlock;
-      const int64_t min_blocks =
-          std::max<int64_t>(1, (int64_t{1} << 15) / (kConvBlock * B * T * K));
-      const ConvOperands operands{rows_.data_ptr<float>(),
-                                  out_.data_ptr<float>(),
-                                  w_.data_ptr<float>(),
-                                  head_.defined() ? head_.data_ptr<float>() : nullptr,
-                                  head_.defined() ? head_.stride(0) : 0,
-                                  head_.defined() ? head_.stride(1) : 0,
-                                  head_.defined() ? head_.stride(2) : 0,
-                                  has_bias_ ? bias_.data_ptr<float>() : nullptr,
-                                  C,
-                                  T,
-                                  K};
-      parallel_chunks(blocks, min_blocks, 1, 2, [&](int64_t b0, int64_t b1) {
-        const int64_t c0 = b0 * kConvBlock, c1 = std::min(C, b1 * kConvBlock);
-        for (int64_t b = 0; b < B; ++b) {
-          conv_channels(operands, b, c0, c1);
-          if (rolled_) roll_rows(b, c0, c1);
-        }
-      });
-      if (silu) at::silu_(out_);
-    }
-    at::Tensor y = out_.scalar_type() == x_.scalar_type() ? out_ : out_.to(x_.scalar_type());
-    y = y.transpose(1, 2);
-    if (rolled_) return {y, state_};
-    const at::Tensor new_state = rolling_state();
-    if (in_place_) {
-      state_.copy_(new_state);
-      return {y, state_};
-    }
-    return {y, new_state};
-  }
-
- private:
-  // Channels [c0, c1) of sequence b of a contiguous float32 state, once their outputs are computed,
-  // become the last W = K - 1 + T columns of [state | x]: each row moves T to the left (one memmove
-  // of the range's rows: the last T columns of each row get the next row's first ones, overwritten
-  // by x just below).
-  void roll_rows(int64_t b, int64_t c0, int64_t c1) {
-    const int64_t C = dims_.C, T = dims_.T, W = dims_.W;
-    float* s = state_.data_ptr<float>() + (b * C + c0) * W;
-    std::memmove(s, s + T, static_cast<size_t>((c1 - c0) * W - T) * sizeof(float));
-    const float* x = rows_.data_ptr<float>() + b * T * C;
-    for (int64_t c = c0; c < c1; ++c, s += W)
-      for (int64_t t = 0; t < T; ++t) s[W - T + t] = x[t * C + c];
-  }
-
-  // The new rolling state: the last W columns of [state | x] (zeros before the first input).
-  at::Tensor rolling_state() const {
-    const int64_t T = dims_.T, W = dims_.W;
-    at::Tensor new_state =
-        at::empty({dims_.B, dims_.C, W},
-                  x_.options().dtype(has_state_ ? state_.scalar_type() : x_.scalar_type()));
-    if (T >= W) {
-      new_state.copy_(x_.narrow(2, T - W, W));
-    } else {
-      if (has_state_)
-        new_state.narrow(2, 0, W - T).copy_(state_.narrow(2, T, W - T));
-      else
-        new_state.narrow(2, 0, W - T).zero_();
-      if (T > 0) new_state.narrow(2, W - T, T).copy_(x_);
-    }
-    return new_state;
-  }
-
-  const ConvDims dims_;
-  const bool in_place_, has_state_, has_bias_, rolled_;
-  const at::Tensor x_;
-  at::Tensor state_;
-  const at::Tensor rows_, w_, bias_, head_;
-  at::Tensor out_;
-};
-
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const at::Tensor& weight,
-                                                      const std::optional<at::Tensor>& state,
-                                                      const std::optional<at::Tensor>& bias,
-                                                      std::optional<c10::string_view> activation,
-                                                      bool in_place) {
-  const ConvDims dims = check_conv_inputs(x, weight, state, bias, activation, in_place);
-  return ConvCall(x, weight, state, bias, in_place, dims).run();
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                                     const std::optional<at::Tensor>& state,
-                                                     const std::optional<at::Tensor>& bias,
-                                                     std::optional<c10::string_view> activation) {
-  return causal_conv1d_impl(x, weight, state, bias, activation, false);
-}
-
-at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                     at::Tensor& state, const std::optional<at::Tensor>& bias,
-                                     std::optional<c10::string_view> activation) {
-  return std::get<0>(causal_conv1d_impl(x, weight, state, bias, activation, true));
-}
-
-at::Tensor l2_norm_cpu(const at::Tensor& x, double eps) {
+at::Tensor gdn_ops::l2_norm(const at::Tensor& x, double eps) {
   check_float(x, "x");
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim, got shape ",
                     x.sizes());
@@ -669,8 +391,8 @@ at::Tensor l2_norm_cpu(const at::Tensor& x, double eps) {
   return out.view(x.sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::Tensor& a,
-                                             const at::Tensor& dt_bias, const at::Tensor& b) {
+std::tuple<at::Tensor, at::Tensor> gdn_ops::gates(const at::Tensor& A_log, const at::Tensor& a,
+                                                  const at::Tensor& dt_bias, const at::Tensor& b) {
   check_float(A_log, "A_log");
   check_float(dt_bias, "dt_bias");
   check_float(a, "a");
@@ -709,8 +431,8 @@ std::tuple<at::Tensor, at::Tensor> gates_cpu(const at::Tensor& A_log, const at::
   return {g, beta};
 }
 
-at::Tensor gated_rms_norm_cpu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
-                              double eps) {
+at::Tensor gdn_ops::gated_rms_norm(const at::Tensor& x, const at::Tensor& gate,
+                                   const at::Tensor& weight, double eps) {
   check_float(x, "x");
   check_float(gate, "gate");
   check_float(weight, "weight");
