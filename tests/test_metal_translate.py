@@ -46,7 +46,10 @@ def test_parameters_bind_by_attribute_and_implicit_buffer_indices():
 def test_host_names_and_plain_kernels_are_registered():
     out = mt.translate(KERNEL, "t.metal")
     assert 'KernelRegistrar gk_registrar_0("kernel_scale_f32", &gk_entry_0, "t.metal")' in out
-    assert "gk_emu::invoke(&kernel_scale<float>, c, gk_params_kernel_scale)" in out
+    # the instance is taken where it stood (its arguments may use macros #undef'd further down)
+    assert "constexpr auto gk_instance_0 = &kernel_scale<float>;" in out
+    assert "gk_emu::invoke(gk_instance_0, c, gk_params_kernel_scale)" in out
+    assert "gk_emu::invoke(&kernel_plain, c, gk_params_kernel_plain)" in out
     assert '"kernel_plain"' in out and "template [[host_name" not in out
 
 
@@ -56,6 +59,14 @@ def test_rewrites_of_c_only_and_msl_only_syntax():
     assert "half h = ((half) 1.5f);" in out  # half literal
     assert "float (&partial)[32] = gk_threadgroup_local<float[32]>(0);" in out  # shared, not per thread
     assert out.count("namespace {") >= 2  # the file in its own unnamed namespace
+
+
+def test_instances_keep_macros_undefined_later():
+    """fa_*.metal spell template arguments with a macro (FA_TYPES) they #undef at the end."""
+    src = KERNEL + "#define TYPES float\ntemplate [[host_name(\"kernel_scale_m\")]] kernel kernel_scale_t kernel_scale<TYPES>;\n#undef TYPES\n"
+    out = mt.translate(src, "t.metal")
+    assert out.index("= &kernel_scale<TYPES>;") < out.index("#undef TYPES")
+    assert "kernel_scale_m" in mt.kernel_names(src)
 
 
 def test_literal_conditionals_keep_the_compiled_branch():

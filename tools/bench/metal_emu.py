@@ -29,7 +29,7 @@ def _load(package: str):
     return kernels.get_local_kernel(Path(REPO / "packages" / package / "build-metal-emu"), backend="cpu")
 
 
-def workloads(quant, norm) -> dict:
+def workloads(quant, norm, topk, gdn) -> dict:
     """name -> (module, call), on random data quantized by ggml's reference quantizer."""
     g = torch.Generator().manual_seed(0)
     k, n = 1024, 256
@@ -43,6 +43,10 @@ def workloads(quant, norm) -> dict:
     x = {rows: torch.randn(rows, k, generator=g) for rows in (1, 5, 32)}
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(32)])
     nw = torch.randn(k, generator=g)
+    logits = torch.randn(32, 64, generator=g)
+    q, v = torch.randn(1, 1, 16, 128, generator=g), torch.randn(1, 1, 16, 128, generator=g)
+    gate, beta, state = -torch.rand(1, 1, 16, generator=g), torch.rand(1, 1, 16, generator=g), torch.zeros(1, 16, 128, 128)
+    cx, cw, cs = torch.randn(1, 6144, 32, generator=g), torch.randn(6144, 1, 4, generator=g), torch.zeros(1, 6144, 4)
     return {
         f"rms_norm {k} x 32, weight": (norm, lambda: norm.rms_norm(x[32], nw)),
         f"rms_norm_gated {k} x 32": (norm, lambda: norm.rms_norm_gated(x[32], x[32], nw)),
@@ -56,6 +60,9 @@ def workloads(quant, norm) -> dict:
         f"get_rows Q4_K {n}x{k}, 4 rows": (
             quant, lambda: quant.get_rows(w, torch.tensor([0, 5, 9, 255]), Q4_K, k, torch.float32)),
         f"dequantize Q4_K {n}x{k}": (quant, lambda: quant.dequantize(w, Q4_K, n, k, torch.float32)),
+        "MoE routing, 64 experts, top-8 of 32 tokens": (topk, lambda: topk.softmax_top_k(logits, 8)),
+        "gated delta net decode, 16 heads of 128": (gdn, lambda: gdn.gated_delta_net(q, q, v, gate, beta, state)),
+        "causal conv 6144 channels, 32 tokens": (gdn, lambda: gdn.causal_conv1d(cx, cw, cs)),
     }
 
 
@@ -70,7 +77,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args()
     rows = []
-    for name, (module, call) in workloads(_load("ggml-quantization"), _load("ggml-norm")).items():
+    builds = (_load(p) for p in ("ggml-quantization", "ggml-norm", "topk", "ggml-gated-delta-net"))
+    for name, (module, call) in workloads(*builds).items():
         module.reset_metal_dispatches()
         call()  # warm-up, and the kernels it takes
         dispatched = module.metal_dispatches()

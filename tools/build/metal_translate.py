@@ -24,13 +24,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# The kernel files the emulated device runs (the others' kernels raise "not translated yet"); the
-# translations compile, and tests/test_metal_host.py runs the kernels the packages use.
+# The kernel files the emulated device runs (a kernel of any other file raises "not translated
+# yet"). fa_common.metal and fa_vec_common.metal are included by the flash-attention files.
 KERNEL_FILES = [
     "argsort.metal", "binbcast.metal", "conv.metal", "gated_delta_net.metal", "misc.metal", "mul_mm.metal",
     "mul_mv.metal", "norm.metal", "pool.metal", "quantize.metal", "reduce.metal", "rope.metal", "softmax.metal",
     "solve_tri.metal", "ssm.metal", "tri.metal", "unary.metal", "upscale.metal", "wkv.metal",
-]  # next: the flash-attention files (fa_*.metal, issue 16)
+    "fa_aux.metal", "fa_f16.metal", "fa_f32.metal", "fa_q4_0.metal", "fa_q4_1.metal", "fa_q5_0.metal",
+    "fa_q5_1.metal", "fa_q8_0.metal", "fa_vec_f16.metal", "fa_vec_f32.metal", "fa_vec_q4_0.metal",
+    "fa_vec_q4_1.metal", "fa_vec_q5_0.metal", "fa_vec_q5_1.metal", "fa_vec_q8_0.metal",
+]
 
 BUILTINS = {
     "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
@@ -171,8 +174,16 @@ def translate(source: str, name: str) -> str:
     source = _HALF_LITERAL.sub(lambda m: f"((half) {m.group(1)}{m.group(2) or ''}f)" if "." in m.group(1) or m.group(2)
                                else f"((half) {m.group(1)}.0f)", source)
     text = _FUNCTION_CONSTANT.sub(lambda m: f"{m.group(1)}GK_FUNCTION_CONSTANT({m.group(2)}, {m.group(3)}, {m.group(4)})", source)
-    instances: list[tuple[str, str, str]] = [(m.group(1), m.group(2), m.group(3)) for m in _INSTANCE.finditer(text)]
-    text = _INSTANCE.sub("", text)
+    # an explicit instance becomes a pointer to it, defined where the instance stood: its template
+    # arguments may use macros the file #undefs further down (fa_*.metal's FA_TYPES)
+    instances: list[tuple[str, str, str]] = []
+
+    def instance_pointer(m: re.Match) -> str:
+        pointer = f"gk_instance_{len(instances)}"
+        instances.append((m.group(1), m.group(2), pointer))
+        return f"constexpr auto {pointer} = &{m.group(2)}<{m.group(3)}>;"
+
+    text = _INSTANCE.sub(instance_pointer, text)
     kernels: dict[str, Kernel] = {}
     out, pos = [], 0
     for m in _KERNEL.finditer(text):
@@ -180,9 +191,9 @@ def translate(source: str, name: str) -> str:
         function = m.group(3)
         kernels[function] = Kernel(function, _param_kinds(_split_params(text[m.end() : close]), f"{name}: {function}"))
         if m.group(2):
-            instances.append((m.group(2), function, ""))
+            instances.append((m.group(2), function, f"&{function}"))
         elif not _after_template_header(text[: m.start()]):  # a plain kernel: its name is its host name
-            instances.append((function, function, ""))
+            instances.append((function, function, f"&{function}"))
         # the signature without its attributes (read above; some name address spaces)
         out.append(text[pos : m.start()] + "void " + function + "(" + re.sub(r"\[\[.*?\]\]", "", text[m.end() : close]))
         pos = close
@@ -206,11 +217,10 @@ def _registry(name: str, kernels: dict[str, Kernel], instances: list[tuple[str, 
         entries = ", ".join(f"{{gk_emu::Param::Kind::{kind}, " + (f"gk_emu::{v}" if kind == "Builtin" else str(v)) + "}"
                             for kind, v in k.params)
         lines.append(f"const gk_emu::Param gk_params_{k.function}[] = {{{entries}}};")
-    for i, (host_name, function, args) in enumerate(instances):
+    for i, (host_name, function, pointer) in enumerate(instances):
         if function not in kernels:
             raise ValueError(f"{name}: [[host_name(\"{host_name}\")]] names {function}, which is not a kernel of this file")
-        instance = f"{function}<{args}>" if args else function
-        lines.append(f"void gk_entry_{i}(const gk_emu::ThreadContext& c) {{ gk_emu::invoke(&{instance}, c, gk_params_{function}); }}")
+        lines.append(f"void gk_entry_{i}(const gk_emu::ThreadContext& c) {{ gk_emu::invoke({pointer}, c, gk_params_{function}); }}")
         lines.append(f"gk_emu::KernelRegistrar gk_registrar_{i}(\"{host_name}\", &gk_entry_{i}, \"{name}\");")
     lines.append("}  // namespace")
     return "\n".join(lines) + "\n"

@@ -96,6 +96,7 @@ def run_env(tree: Path) -> dict[str, str]:
     env.pop("GGML_KERNELS_BUILDS", None)  # the integration finds the tree's builds
     env.pop("LOCAL_KERNELS", None)
     env.update({
+        ENV: "1",  # tools that find the runtime (tests/test_metal_host.py) take the sanitized one
         "LD_PRELOAD": ":".join(_compiler_library(n) for n in ("libasan.so", "libstdc++.so.6")),
         "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
         "UBSAN_OPTIONS": f"print_stacktrace=1:halt_on_error=1:suppressions={UBSAN_SUPPRESSIONS}",

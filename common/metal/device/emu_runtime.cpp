@@ -13,6 +13,12 @@
 #define GK_FIBER_ASAN 1  // AddressSanitizer is told about every stack switch
 #endif
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <signal.h>
+#include <ucontext.h>
+#define GK_DIVIDE_BY_ZERO_GPU_SEMANTICS 1
+#endif
+
 #include <atomic>
 #include <cstdlib>
 #include <exception>
@@ -279,7 +285,78 @@ void* threadgroup_local(int id, size_t bytes) {
 void set_schedule(Schedule s) { g_schedule.store(s); }
 Schedule schedule() { return g_schedule.load(); }
 
+#if GK_DIVIDE_BY_ZERO_GPU_SEMANTICS
+// Integer division by zero (and INT_MIN / -1): a GPU does not trap, the result is undefined, and
+// upstream's kernels rely on that (fa_vec_common.metal computes `iq2 % args.ne32` for the mask's
+// address even without a mask, ne32 = 0, and never reads it). On x86 DIV / IDIV raise SIGFPE: while
+// a kernel runs on this thread, the handler gives quotient and remainder 0 and skips the
+// instruction. Any other SIGFPE goes to the handler that was there before.
+namespace {
+
+struct sigaction g_previous_fpe{};
+
+// Bytes of the DIV / IDIV instruction at pc (F6 / F7 with ModRM reg 6 or 7), 0 if it is not one.
+size_t divide_length(const uint8_t* pc) {
+  const uint8_t* p = pc;
+  while (*p == 0x66 || *p == 0x67 || *p == 0xF2 || *p == 0xF3 || *p == 0x2E || *p == 0x3E) ++p;
+  if ((*p & 0xF0) == 0x40) ++p;  // REX
+  if (*p != 0xF6 && *p != 0xF7) return 0;
+  const uint8_t modrm = *++p;
+  ++p;
+  const int mod = modrm >> 6, reg = (modrm >> 3) & 7, rm = modrm & 7;
+  if (reg != 6 && reg != 7) return 0;
+  if (mod != 3 && rm == 4) {  // a SIB byte
+    const uint8_t sib = *p++;
+    if (mod == 0 && (sib & 7) == 5) p += 4;  // no base register: a 32-bit displacement
+  }
+  if (mod == 1) {
+    p += 1;
+  } else if (mod == 2 || (mod == 0 && rm == 5)) {
+    p += 4;
+  }
+  return static_cast<size_t>(p - pc);
+}
+
+void on_sigfpe(int sig, siginfo_t* info, void* context) {
+  auto& regs = static_cast<ucontext_t*>(context)->uc_mcontext.gregs;
+  const size_t length =
+      t_group != nullptr ? divide_length(reinterpret_cast<const uint8_t*>(regs[REG_RIP])) : 0;
+  if (length > 0) {
+    regs[REG_RAX] = 0;
+    regs[REG_RDX] = 0;
+    regs[REG_RIP] += static_cast<greg_t>(length);
+    return;
+  }
+  if (g_previous_fpe.sa_flags & SA_SIGINFO) {
+    g_previous_fpe.sa_sigaction(sig, info, context);
+  } else if (g_previous_fpe.sa_handler != SIG_IGN && g_previous_fpe.sa_handler != SIG_DFL) {
+    g_previous_fpe.sa_handler(sig);
+  } else {
+    signal(SIGFPE, SIG_DFL);
+    raise(SIGFPE);
+  }
+}
+
+void install_divide_handler() {
+  static const bool installed = [] {
+    struct sigaction action{};
+    action.sa_sigaction = on_sigfpe;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&action.sa_mask);
+    return sigaction(SIGFPE, &action, &g_previous_fpe) == 0;
+  }();
+  (void)installed;
+}
+
+}  // namespace
+#else
+namespace {
+void install_divide_handler() {}
+}  // namespace
+#endif
+
 void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, uint32_t threads) {
+  install_divide_handler();
   Threadgroup g;
   g.entry = entry, g.kernel = kernel;
   g.fibers.resize(threads);

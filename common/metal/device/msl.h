@@ -63,6 +63,10 @@ struct vec : vec_storage<T, N> {
   vec(T s) {  // NOLINT: MSL widens scalars to vectors implicitly
     for (int i = 0; i < N; ++i) this->v[i] = s;
   }
+  // other arithmetic scalars too (`bfloat4 x = 0`: int -> bfloat is itself a user conversion)
+  template <typename S,
+            typename = std::enable_if_t<std::is_arithmetic_v<S> && !std::is_same_v<S, T>>>
+  vec(S s) : vec(static_cast<T>(s)) {}  // NOLINT
   template <typename... A, typename = std::enable_if_t<(sizeof...(A) >= 2)>>
   vec(A... parts) {
     int i = 0;
@@ -454,9 +458,36 @@ inline int from_lane(int, int lane) { return lane; }
 GK_SHUFFLE(simd_shuffle_down, from_down)
 GK_SHUFFLE(simd_shuffle_up, from_up)
 GK_SHUFFLE(simd_shuffle_xor, from_xor)
-GK_SHUFFLE(simd_shuffle, from_lane)
 GK_SHUFFLE(simd_broadcast, from_lane)
 #undef GK_SHUFFLE
+
+namespace detail {
+// simd_shuffle's source lane may differ per lane (a gather): it travels with the lane's value.
+template <typename T>
+struct LaneRequest {
+  T v;
+  int from;
+};
+template <typename T>
+void gather(const uint8_t* in, const bool* alive, uint8_t* out, size_t, int) {
+  const auto* asked = reinterpret_cast<const LaneRequest<T>*>(in);
+  auto* got = reinterpret_cast<LaneRequest<T>*>(out);
+  for (int lane = 0; lane < emu::kSimdWidth; ++lane) {
+    if (!alive[lane]) continue;
+    const int from = asked[lane].from;
+    const bool ok = from >= 0 && from < emu::kSimdWidth && alive[from];
+    got[lane].v = asked[ok ? from : lane].v;
+  }
+}
+}  // namespace detail
+
+template <typename T>
+T simd_shuffle(T v, int lane) {
+  detail::LaneRequest<T> asked{v, lane}, got{};
+  ggml_kernels::metal::emu::simd_collective(&asked, &got, sizeof(asked), &detail::gather<T>, 0,
+                                            "simd_shuffle");
+  return got.v;
+}
 
 #define GK_REDUCTION(NAME, OP)                                                                   \
   template <typename T>                                                                          \
