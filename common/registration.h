@@ -78,11 +78,11 @@ inline PyObject* py_metal_reset_dispatches(PyObject*, PyObject*) {
     Py_RETURN_NONE;
   });
 }
-inline PyObject* py_metal_set_lane_schedule(PyObject*, PyObject* reverse) {
-  return guarded([reverse]() -> PyObject* {
-    const int flag = PyObject_IsTrue(reverse);
-    if (flag < 0) return nullptr;
-    metal_api().gk_metal_set_lane_schedule(flag);
+inline PyObject* py_metal_set_lane_schedule(PyObject*, PyObject* flags) {
+  return guarded([flags]() -> PyObject* {
+    const long value = PyLong_AsLong(flags);
+    if (value == -1 && PyErr_Occurred()) return nullptr;
+    metal_api().gk_metal_set_lane_schedule(static_cast<int>(value));
     Py_RETURN_NONE;
   });
 }
@@ -99,7 +99,8 @@ inline PyMethodDef kMethods[] = {
     {"metal_reset_dispatches", py_metal_reset_dispatches, METH_NOARGS,
      "Metal builds: forget the dispatches so far"},
     {"metal_set_lane_schedule", py_metal_set_lane_schedule, METH_O,
-     "Metal emulation: resume SIMD lanes in reverse order (True) or forward (False)"},
+     "Metal emulation: lane schedule flags (1: reverse order, 2: no convergence at lane-0 "
+     "branches)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace ggml_kernels::python

@@ -82,3 +82,16 @@ def test_an_unknown_parameter_attribute_is_an_error():
 def test_an_instance_of_another_file_is_an_error():
     with pytest.raises(ValueError, match="not a kernel of this file"):
         mt.translate('template [[host_name("k_f32")]] kernel k_t elsewhere<float>;', "t.metal")
+
+
+def test_lane_zero_branches_are_convergence_points():
+    """On a GPU a SIMD group's lanes run in lock-step: lane 0's branch runs after every lane's
+    earlier statements and before their later ones; the emulator meets there explicitly."""
+    body = "float s = ss[tiisg];\n    if (tiisg == 0 && ok) {\n        ss[0] = s; { }\n    }\n    float t = ss[1];"
+    out = mt.converge_around_lane_zero_branches(body)
+    assert "if (gk_simd_converge(), tiisg == 0 && ok) {" in out
+    assert out.index("} gk_simd_converge();") > out.index("ss[0] = s; { }") and out.endswith("float t = ss[1];")
+    with pytest.raises(ValueError, match="with an else"):
+        mt.converge_around_lane_zero_branches("if (tiisg == 0) { a(); } else { b(); }")
+    with pytest.raises(ValueError, match="not a braced block"):
+        mt.converge_around_lane_zero_branches("if (tiisg == 0) a();")

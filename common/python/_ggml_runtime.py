@@ -42,11 +42,13 @@ def reset_metal_dispatches() -> None:
     _extension.metal_reset_dispatches()
 
 
-def set_lane_schedule(reverse: bool) -> None:
+def set_lane_schedule(reverse: bool, lane_zero_convergence: bool = True) -> None:
     """Metal emulation: the order in which the lanes of a SIMD group run between two rendezvous
     points (forward or reverse). Kernels that are correct on a GPU give bit-identical results in
-    both; tests run each op under both."""
-    _extension.metal_set_lane_schedule(bool(reverse))
+    both; tests run each op under both. lane_zero_convergence=False drops the rendezvous the
+    emulator puts around `if (tiisg == 0)` branches (a GPU's lock-step gives them for free), to
+    show the kernels that rely on it."""
+    _extension.metal_set_lane_schedule(int(bool(reverse)) | (0 if lane_zero_convergence else 2))
 
 
 def same_device(op: str, **tensors: torch.Tensor | None) -> None:

@@ -12,6 +12,10 @@ gives the library and makes the address spaces vanish, so what is left to rewrit
   the emulator's kernel registry that binds those parameters from a dispatch and calls it;
 - kernel-scope `threadgroup T x[N];` arrays become references to storage shared by the running
   threadgroup (`gk_threadgroup_local`), not per-thread locals;
+- a lane-0 branch (`if (tiisg == 0 ...) { ... }`) is a convergence point of the SIMD group before
+  and after it, as on hardware, where the group's lanes run in lock-step and the others wait while
+  lane 0 runs the branch: upstream relies on it (fa_vec_common.metal: lane 0 stores the softmax
+  sums over `ss` right after its lanes' P*V reads of `ss`, with no barrier between when NE == 1);
 - GNU range initialisers (C only) become fill loops, `1.0h` half literals casts, and every file
   sits in its own unnamed namespace (each .metal file is its own Metal library).
 `python -m tools.build.metal_translate <file.metal>` prints one translation.
@@ -64,13 +68,37 @@ class Kernel:
     params: list[tuple[str, int | str]]  # ("Buffer" | "Threadgroup", index) or ("Builtin", enum name)
 
 
-def _matching_paren(text: str, open_at: int) -> int:
+def _matching_paren(text: str, open_at: int, pair: str = "()") -> int:
     depth = 0
     for i in range(open_at, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        depth += {pair[0]: 1, pair[1]: -1}.get(text[i], 0)
         if depth == 0:
             return i
-    raise ValueError("unbalanced parentheses in a kernel signature")
+    raise ValueError(f"unbalanced {pair} in a kernel")
+
+
+_LANE_ZERO_BRANCH = re.compile(r"\bif\s*\(\s*(?=tiisg\s*==\s*0\b)")
+
+
+def converge_around_lane_zero_branches(text: str) -> str:
+    """`if (tiisg == 0 ...) { ... }` -> `if (gk_simd_converge(), tiisg == 0 ...) { ... }
+    gk_simd_converge();`: the SIMD group meets before lane 0 takes its branch and after it, so a
+    lane-0 write is ordered after its lanes' earlier reads and before their later ones, whatever
+    order the emulator runs the lanes in. (Every such branch upstream is a braced block without
+    else; one that is not raises here.)"""
+    out, pos = [], 0
+    for m in _LANE_ZERO_BRANCH.finditer(text):
+        close = _matching_paren(text, text.index("(", m.start()))
+        brace = close + 1 + (len(text[close + 1 :]) - len(text[close + 1 :].lstrip()))
+        if text[brace] != "{":
+            raise ValueError(f"a lane-0 branch that is not a braced block: {text[m.start() : close + 1]}")
+        end = _matching_paren(text, brace, "{}")
+        if re.match(r"\s*else\b", text[end + 1 :]):
+            raise ValueError(f"a lane-0 branch with an else: {text[m.start() : close + 1]}")
+        out.append(text[pos : m.end()] + "gk_simd_converge(), " + text[m.end() : end + 1] + " gk_simd_converge();")
+        pos = end + 1
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _split_params(params: str) -> list[str]:
@@ -173,6 +201,7 @@ def translate(source: str, name: str) -> str:
     source = re.sub(r"\bconst[ \t]+constant\b|\bconstant[ \t]+const\b", "constant", source)
     source = _HALF_LITERAL.sub(lambda m: f"((half) {m.group(1)}{m.group(2) or ''}f)" if "." in m.group(1) or m.group(2)
                                else f"((half) {m.group(1)}.0f)", source)
+    source = converge_around_lane_zero_branches(source)
     text = _FUNCTION_CONSTANT.sub(lambda m: f"{m.group(1)}GK_FUNCTION_CONSTANT({m.group(2)}, {m.group(3)}, {m.group(4)})", source)
     # an explicit instance becomes a pointer to it, defined where the instance stood: its template
     # arguments may use macros the file #undefs further down (fa_*.metal's FA_TYPES)

@@ -33,9 +33,21 @@ void set_constants(const Constants& constants) {
   }
 }
 
+// The guard zone after each threadgroup-memory block: a kernel that writes past its threadgroup
+// memory (upstream's fa_vec kernels do for some head sizes) writes here, not into the heap.
+constexpr size_t kGuardBytes = 4096;
+constexpr uint8_t kGuardByte = 0xa5;
+
+// How far into the guard zone at `guard` a threadgroup wrote.
+size_t bytes_past_end(const uint8_t* guard) {
+  for (size_t i = kGuardBytes; i > 0; --i)
+    if (guard[i - 1] != kGuardByte) return i;
+  return 0;
+}
+
 }  // namespace
 
-void run_dispatch(const Dispatch& d) {
+size_t run_dispatch(const Dispatch& d) {
   const auto found = emu::kernels().find(d.kernel);
   if (found == emu::kernels().end()) {
     if (untranslated(d.kernel))
@@ -65,7 +77,7 @@ void run_dispatch(const Dispatch& d) {
     }
   }
   // threadgroup memory: exactly the sizes the host set, filled with a NaN pattern (it starts
-  // undefined on a GPU)
+  // undefined on a GPU), each followed by a guard zone that shows writes past its end
   int max_tg = -1;
   for (const auto& [index, size] : d.threadgroup_memory) max_tg = std::max(max_tg, index);
   std::vector<std::unique_ptr<uint8_t[]>> tg_blocks;
@@ -74,20 +86,26 @@ void run_dispatch(const Dispatch& d) {
   emu::ThreadContext base{};
   base.buffers = &buffers, base.tg_memory = &tg_memory;
   for (int i = 0; i < 3; ++i) base.ntg[i] = d.threads[i], base.ntgp[i] = d.grid[i];
+  size_t overrun = 0;
   for (int z = 0; z < d.grid[2]; ++z) {
     for (int y = 0; y < d.grid[1]; ++y) {
       for (int x = 0; x < d.grid[0]; ++x) {
         tg_blocks.clear();
         for (const auto& [index, size] : d.threadgroup_memory) {
-          tg_blocks.emplace_back(new uint8_t[std::max<size_t>(size, 1)]);
+          tg_blocks.emplace_back(new uint8_t[size + kGuardBytes]);
           std::memset(tg_blocks.back().get(), 0xff, size);
+          std::memset(tg_blocks.back().get() + size, kGuardByte, kGuardBytes);
           tg_memory[index] = tg_blocks.back().get();
         }
         base.tgpig[0] = x, base.tgpig[1] = y, base.tgpig[2] = z;
         emu::run_threadgroup(found->second.entry, d.kernel.c_str(), base, threads);
+        size_t block = 0;
+        for (const auto& [index, size] : d.threadgroup_memory)
+          overrun = std::max(overrun, bytes_past_end(tg_blocks[block++].get() + size));
       }
     }
   }
+  return overrun;
 }
 
 }  // namespace ggml_kernels::metal

@@ -140,6 +140,7 @@ struct Threadgroup {
 thread_local Threadgroup* t_group = nullptr;
 thread_local std::vector<std::unique_ptr<uint8_t[]>> t_stacks;  // reused across threadgroups
 std::atomic<Schedule> g_schedule{Schedule::Forward};
+std::atomic<bool> g_lane_zero_convergence{true};
 
 // scheduler -> fiber
 void switch_to_fiber(Threadgroup& g, Fiber& f) {
@@ -215,12 +216,12 @@ bool resolve_collectives(Threadgroup& g) {
     if (!any || !ready) continue;
     const size_t size = leader->size;
     std::vector<uint8_t> in(kSimdWidth * size), out(kSimdWidth * size);
-    for (size_t i = first; i < last; ++i)
+    for (size_t i = first; i < last && size > 0; ++i)  // (a value-less collective: size 0)
       if (alive[i - first]) std::memcpy(in.data() + (i - first) * size, g.fibers[i].value, size);
     leader->reduce(in.data(), alive, out.data(), size, leader->arg);
     for (size_t i = first; i < last; ++i) {
       if (!alive[i - first]) continue;
-      std::memcpy(g.fibers[i].result, out.data() + (i - first) * size, size);
+      if (size > 0) std::memcpy(g.fibers[i].result, out.data() + (i - first) * size, size);
       g.fibers[i].state = State::Runnable;
     }
     resolved = true;
@@ -283,6 +284,8 @@ void* threadgroup_local(int id, size_t bytes) {
 }
 
 void set_schedule(Schedule s) { g_schedule.store(s); }
+void set_lane_zero_convergence(bool on) { g_lane_zero_convergence.store(on); }
+bool lane_zero_convergence() { return g_lane_zero_convergence.load(std::memory_order_relaxed); }
 Schedule schedule() { return g_schedule.load(); }
 
 #if GK_DIVIDE_BY_ZERO_GPU_SEMANTICS

@@ -87,6 +87,12 @@ enum class Schedule { Forward, Reverse };
 void set_schedule(Schedule s);
 Schedule schedule();
 
+// Whether the convergence points the translator puts around lane-0 branches are met (default) or
+// skipped: without them, upstream's kernels that rely on lock-step give schedule-dependent results
+// (tests show it).
+void set_lane_zero_convergence(bool on);
+bool lane_zero_convergence();
+
 // Runs one threadgroup of `entry`: threads fibers of the given context template. Throws
 // std::runtime_error naming `kernel` on a deadlock (lanes at different rendezvous points).
 void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, uint32_t threads);

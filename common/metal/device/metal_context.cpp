@@ -27,8 +27,15 @@ std::atomic<bool> g_execute{true};
 class LoggingExecutor : public Executor {
  public:
   void dispatch(const Dispatch& d) override {
-    DispatchLog::instance().dispatch(d);
-    if (g_execute.load()) run_dispatch(d);
+    if (!g_execute.load()) return DispatchLog::instance().dispatch(d);
+    Dispatch ran = d;
+    try {
+      ran.threadgroup_overrun = run_dispatch(d);
+    } catch (...) {
+      DispatchLog::instance().dispatch(ran);  // a failed dispatch is in the log too
+      throw;
+    }
+    DispatchLog::instance().dispatch(ran);
   }
 };
 
@@ -86,7 +93,8 @@ std::string dispatch_json(const Dispatch& d) {
     j += (first ? "\"" : ",\"") + std::to_string(idx) + "\":" + std::to_string(size);
     first = false;
   }
-  j += "},\"buffers\":{";
+  j += "},\"threadgroup_overrun\":" + std::to_string(d.threadgroup_overrun);
+  j += ",\"buffers\":{";
   first = true;
   for (const auto& [idx, b] : d.bindings) {
     j += (first ? "\"" : ",\"") + std::to_string(idx) + "\":";
@@ -209,8 +217,10 @@ void gk_metal_set_execute(int execute) { set_execute(execute != 0); }
 
 const char* gk_metal_last_error(void) { return t_last_error.c_str(); }
 
-void gk_metal_set_lane_schedule(int reverse) {
-  emu::set_schedule(reverse ? emu::Schedule::Reverse : emu::Schedule::Forward);
+void gk_metal_set_lane_schedule(int flags) {
+  emu::set_schedule((flags & GK_METAL_LANES_REVERSE) ? emu::Schedule::Reverse
+                                                     : emu::Schedule::Forward);
+  emu::set_lane_zero_convergence(!(flags & GK_METAL_LANES_NO_CONVERGENCE));
 }
 
 }  // extern "C"

@@ -51,6 +51,9 @@ struct Dispatch {
   int threads[3];                            // threads per threadgroup
   std::map<int, Binding> bindings;           // argument index -> buffer or bytes
   std::map<int, size_t> threadgroup_memory;  // threadgroup argument index -> bytes
+  // Found by running it: the most bytes a threadgroup wrote past the end of its threadgroup
+  // memory (into the emulator's guard zone; on a GPU, undefined behaviour).
+  size_t threadgroup_overrun = 0;
 };
 
 // What runs the dispatches of a command buffer, in encoding order (a barrier separates dependent
@@ -118,8 +121,9 @@ namespace ggml_kernels::metal {
 // The buffer holding virtual address `addr` (for `size` bytes), or nullptr.
 ggml_metal_buffer* find_buffer(uintptr_t addr, size_t size);
 ggml_metal_buffer* find_buffer_by_id(uint64_t id);
-// Runs a dispatch on the emulated device (emu_executor.cpp); throws std::runtime_error.
-void run_dispatch(const Dispatch& d);
+// Runs a dispatch on the emulated device (emu_executor.cpp); throws std::runtime_error. Returns
+// the most bytes a threadgroup wrote past its threadgroup memory (0: none).
+size_t run_dispatch(const Dispatch& d);
 // Whether dispatches run on the emulated device after being logged (default) or are only logged.
 void set_execute(bool execute);
 bool execute();

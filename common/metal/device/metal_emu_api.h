@@ -18,5 +18,9 @@ GK_METAL_API void gk_metal_dispatches_reset(void);
 GK_METAL_API void gk_metal_set_execute(int execute);
 // The message of the last failed graph compute on this thread ("" when none).
 GK_METAL_API const char* gk_metal_last_error(void);
-// 0: resume lanes in forward order within SIMD groups, 1: in reverse (emu_runtime.h).
-GK_METAL_API void gk_metal_set_lane_schedule(int reverse);
+// How the emulator runs the lanes of a SIMD group between rendezvous points (emu_runtime.h): in
+// forward order (0) or with GK_METAL_LANES_REVERSE in reverse; with GK_METAL_LANES_NO_CONVERGENCE
+// the group does not meet around lane-0 branches (to show kernels that rely on lock-step).
+#define GK_METAL_LANES_REVERSE 1
+#define GK_METAL_LANES_NO_CONVERGENCE 2
+GK_METAL_API void gk_metal_set_lane_schedule(int flags);

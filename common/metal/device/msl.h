@@ -570,6 +570,10 @@ inline void simd_rendezvous(const char* what) {
   ggml_kernels::metal::emu::simd_collective(nullptr, nullptr, 0, &detail::nothing, 0, what);
 }
 inline void simdgroup_barrier(mem_flags::flags) { simd_rendezvous("simdgroup_barrier"); }
+// The convergence points the translator puts around a lane-0 branch (metal_translate.py).
+inline void gk_simd_converge() {
+  if (ggml_kernels::metal::emu::lane_zero_convergence()) simd_rendezvous("lane-0 branch");
+}
 
 template <typename T, int Cols, int Rows = Cols>
 struct simdgroup_matrix {
