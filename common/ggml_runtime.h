@@ -50,7 +50,7 @@ namespace ggml_kernels {
   X(ggml_backend_buffer_get_base) X(ggml_backend_buffer_get_size) X(ggml_backend_buffer_free)      \
   X(ggml_backend_buft_get_alignment) X(ggml_backend_buft_get_alloc_size)                           \
   X(ggml_backend_get_default_buffer_type) X(ggml_backend_supports_op) X(ggml_backend_graph_compute) \
-  X(ggml_backend_name)
+  X(ggml_backend_name) X(ggml_sub) X(ggml_is_contiguous)
 #define GGML_KERNELS_CPU_FUNCTIONS(X)                                                              \
   X(ggml_cpu_init) X(ggml_get_type_traits_cpu) X(ggml_graph_plan) X(ggml_graph_compute)            \
   X(ggml_threadpool_new) X(ggml_threadpool_free) X(ggml_threadpool_params_default)                 \

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import REPO
+from tools.testing.metal_builds import both_schedules, build_fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -41,55 +41,16 @@ EXT_FROM_2 = {"F32", "F16", "BF16", "Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_
 EXT_FROM_4 = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def _load(package: str, folder: str):
-    import kernels
-
-    path = REPO / "packages" / package / folder
-    if not any(path.glob("torch*-cpu-*")):  # a failed build must not pass as skipped tests
-        pytest.fail(f"{package} has no {folder} build: run `nox -s build`")
-    return kernels.get_local_kernel(Path(path), backend="cpu")
-
-
-def _build_fixture(name: str, package: str, folder: str):
-    """A module-scoped fixture `name` holding one build of a package."""
-    return pytest.fixture(scope="module", name=name)(lambda: _load(package, folder))
-
-
 # m*: a package's emulated-Metal build, c*: its CPU build (q: ggml-quantization, t: topk,
 # g: ggml-gated-delta-net, n: ggml-norm)
-mq = _build_fixture("mq", "ggml-quantization", "build-metal-emu")
-cq = _build_fixture("cq", "ggml-quantization", "build")
-mt = _build_fixture("mt", "topk", "build-metal-emu")
-ct = _build_fixture("ct", "topk", "build")
-mg = _build_fixture("mg", "ggml-gated-delta-net", "build-metal-emu")
-cg = _build_fixture("cg", "ggml-gated-delta-net", "build")
-mn = _build_fixture("mn", "ggml-norm", "build-metal-emu")
-cn = _build_fixture("cn", "ggml-norm", "build")
-
-
-def both_schedules(module, fn, *args, **kwargs):
-    """fn(*args, **kwargs) under the forward and the reverse lane schedule: bit-identical results,
-    and the kernels dispatched ({name: threadgroups}, one schedule's)."""
-    runtime = module._ggml_runtime
-    results = []
-    try:
-        for reverse in (False, True):
-            runtime.set_lane_schedule(reverse)
-            runtime.reset_metal_dispatches()
-            results.append(fn(*args, **kwargs))
-            if not reverse:
-                dispatched = runtime.metal_dispatches()
-    finally:
-        runtime.set_lane_schedule(False)
-    first, second = (r if isinstance(r, (list, tuple)) else [r] for r in results)
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-    return results[0], dispatched
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes (NaN payloads included), whatever its strides."""
-    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
+mq = build_fixture("mq", "ggml-quantization", "build-metal-emu")
+cq = build_fixture("cq", "ggml-quantization", "build")
+mt = build_fixture("mt", "topk", "build-metal-emu")
+ct = build_fixture("ct", "topk", "build")
+mg = build_fixture("mg", "ggml-gated-delta-net", "build-metal-emu")
+cg = build_fixture("cg", "ggml-gated-delta-net", "build")
+mn = build_fixture("mn", "ggml-norm", "build-metal-emu")
+cn = build_fixture("cn", "ggml-norm", "build")
 
 
 def storage_types(cq):

@@ -171,8 +171,9 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
     restore.saved.emplace_back(t, *t);
     const bool result = wanted.count(t) > 0;
     if (!result && (t->view_src != nullptr || t->data == nullptr)) continue;
-    // a result may be a reshape (dense like its source: read back through it), not another view
-    TORCH_CHECK(t->view_src == nullptr || t->op == GGML_OP_RESHAPE,
+    // a result that is a view must be dense (a reshape, or an in-place op's result over its whole
+    // source such as SET_ROWS into a cache): it is read back through its source's memory
+    TORCH_CHECK(t->view_src == nullptr || G.ggml_is_contiguous(t),
                 "ggml-kernels: a graph result is a strided view; make it ggml_cont first");
     HostTensor h{t, static_cast<char*>(t->data), {t->nb[0], t->nb[1], t->nb[2], t->nb[3]}, result};
     if (h.result) make_dense(t);

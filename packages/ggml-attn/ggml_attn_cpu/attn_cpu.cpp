@@ -17,14 +17,15 @@
 #include <limits>
 #include <utility>
 
+#include "attn_inputs.h"
 #include "ggml_torch.h"
 #include "torch_binding.h"
 
 using namespace ggml_kernels;
+using namespace attn_ops;
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kQueryTile = 64;    // ggml-cpu's flash-attention query tile (GGML_FA_TILE_Q)
 constexpr int64_t kSplitKvMin = 512;  // ggml splits one query's keys over threads from here
 // Below kSplitKvMin, one sequence's decode step splits its KV heads (with their query heads) over
@@ -39,44 +40,6 @@ constexpr int64_t kSplitHeadsMinWork = 96 * 1024;
 // keys was as fast or faster (16/4/256: 1.03 vs 1.45 ms in one run).
 constexpr int64_t kSplitHeadsMaxKeys = 2048;
 
-// The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous.
-// Undefined when nothing is masked.
-at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int64_t b, int64_t hq,
-                         int64_t sq, int64_t skv) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    at::Tensor mm = *mask;
-    check_cpu(mm, "mask");
-    check_dtype(mm, {at::kBool, at::kFloat, at::kHalf, at::kBFloat16}, "mask");
-    TORCH_CHECK_VALUE(mm.dim() >= 2 && mm.dim() <= 4, "mask must be (Sq, Skv), (B, Sq, Skv) or ",
-                      "(B, 1 or Hq, Sq, Skv), got shape ", mm.sizes());
-    if (mm.dim() == 2) mm = mm.view({1, 1, mm.size(0), mm.size(1)});
-    if (mm.dim() == 3) mm = mm.unsqueeze(1);
-    TORCH_CHECK_VALUE(
-        mm.size(3) == skv && mm.size(2) == sq && (mm.size(1) == 1 || mm.size(1) == hq) &&
-            (mm.size(0) == 1 || mm.size(0) == b),
-        "mask of shape ", mask->sizes(), " does not broadcast to (B, Hq, Sq, Skv) = (", b, ", ", hq,
-        ", ", sq, ", ", skv, ")");
-    if (mm.scalar_type() == at::kBool) {
-      m = at::zeros(mm.sizes(), mm.options().dtype(at::kHalf));
-      m.masked_fill_(mm.logical_not(), neg_inf);
-    } else {
-      m = mm.to(at::kHalf).contiguous();  // below f16's range is -inf: still masked
-    }
-  }
-  // Causal, aligned bottom-right: query i sees keys j <= i + (Skv - Sq). One query sees them all.
-  const bool causal_masks_something = causal && sq > 1;
-  if (causal_masks_something || (causal && skv < sq)) {
-    auto opts = at::TensorOptions().dtype(at::kLong);
-    at::Tensor hidden =
-        at::arange(skv, opts).unsqueeze(0) > (at::arange(sq, opts).unsqueeze(1) + (skv - sq));
-    if (!m.defined()) m = at::zeros({1, 1, sq, skv}, at::TensorOptions().dtype(at::kHalf));
-    m.masked_fill_(hidden, neg_inf);
-  }
-  return m.defined() ? m.contiguous() : m;
-}
-
 // Heads [h0, h1) of batch entry bi of t (B, H, S, D) as ggml's {D, S, h1 - h0}, without torch
 // views.
 ggml_tensor* heads(Graph& g, const at::Tensor& t, int64_t bi, int64_t h0, int64_t h1) {
@@ -88,43 +51,6 @@ ggml_tensor* heads(Graph& g, const at::Tensor& t, int64_t bi, int64_t h0, int64_
           (bi * t.stride(0) + h0 * t.stride(1)) * static_cast<int64_t>(es),
       {t.size(3), t.size(2), h1 - h0, 1},
       {es, static_cast<size_t>(t.stride(2)) * es, nb2, nb2 * static_cast<size_t>(h1 - h0)});
-}
-
-void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            double scale, double softcap) {
-  check_cpu(q, "query");
-  check_cpu(k, "key");
-  check_cpu(v, "value");
-  for (auto [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}}) {
-    check_dtype(*t, {at::kFloat, at::kHalf, at::kBFloat16}, name);
-    check_dim(*t, 4, name);
-  }
-  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-                   "query, key and value must share one dtype, got ", q.scalar_type(), ", ",
-                   k.scalar_type(), ", ", v.scalar_type());
-  const int64_t b = q.size(0), hq = q.size(1), d = q.size(3), hkv = k.size(1), dv = v.size(3);
-  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "batch sizes differ: query ", b, ", key ",
-                    k.size(0), ", value ", v.size(0));
-  TORCH_CHECK_VALUE(v.size(1) == hkv && v.size(2) == k.size(2), "key ", k.sizes(), " and value ",
-                    v.sizes(), " must have the same heads and length");
-  TORCH_CHECK_VALUE(hkv > 0 && hq % hkv == 0, "query heads (", hq,
-                    ") must be a multiple of key/value heads (", hkv, ")");
-  TORCH_CHECK_VALUE(k.size(3) == d, "query head dim ", d, " != key head dim ", k.size(3));
-  TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim && dv >= 1 && dv <= kMaxHeadDim, "head dim ", d, "/",
-                    dv, " is not supported (1..", kMaxHeadDim, ")");
-  TORCH_CHECK_VALUE(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0,
-                    "scale must be finite and softcap finite and >= 0");
-}
-
-// The sinks as float32 (one per query head), undefined when there are none.
-at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
-  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
-  check_cpu(*sinks, "sinks");
-  check_dtype(*sinks, {at::kFloat, at::kHalf, at::kBFloat16}, "sinks");
-  TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq,
-                    "sinks must hold one value per query head (", hq, "), got shape ",
-                    sinks->sizes());
-  return sinks->to(at::kFloat).contiguous();
 }
 
 // One flash_attn call: its inputs as ggml reads them (q float32, K/V rows dense, the additive f16
@@ -142,7 +68,7 @@ class AttentionCall {
         hkv_(k.size(1)),
         skv_(k.size(2)),
         dv_(v.size(3)),
-        scale_(scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(d_)) : static_cast<float>(scale)),
+        scale_(attention_scale(scale, d_)),
         softcap_(static_cast<float>(softcap)),
         // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
         q32_(q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous()
@@ -218,7 +144,7 @@ class AttentionCall {
     } else {
       for (int64_t bi = 0; bi < b_; ++bi)
         decode_entry(bi, skv_ >= kSplitKvMin ? static_cast<int>(threads) : 1);
-      if (skv_ >= kSplitKvMin) zero_fully_masked_rows();
+      if (skv_ >= kSplitKvMin) zero_fully_masked_rows(out_, mask_, b_, hq_);
     }
   }
 
@@ -249,15 +175,6 @@ class AttentionCall {
     });
   }
 
-  // ggml's split-KV reduction divides by the softmax sum without a zero guard: a query whose keys
-  // are all masked must read zeros (as on every other path), not NaN.
-  void zero_fully_masked_rows() {
-    if (!mask_.defined()) return;
-    at::Tensor dead = (mask_ == -std::numeric_limits<float>::infinity()).all(-1);  // (Bm, Hm, 1)
-    dead = dead.expand({b_, hq_, 1}).permute({0, 2, 1}).unsqueeze(-1);             // (B, 1, Hq, 1)
-    if (dead.any().item<bool>()) out_.masked_fill_(dead, 0.0f);
-  }
-
   const int64_t b_, hq_, sq_, d_, hkv_, skv_, dv_;
   const float scale_, softcap_;
   const at::Tensor q32_, k_, v_, mask_, sinks32_;
@@ -285,18 +202,6 @@ at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Te
 // step of a Llama layer is otherwise ~14 small torch ops.
 
 namespace {
-
-void check_rotary_input(const at::Tensor& x, const char* name, const at::Tensor& table) {
-  check_cpu(x, name);
-  check_dtype(x, {at::kFloat}, name);
-  check_dim(x, 4, name);
-  TORCH_CHECK_VALUE(x.size(2) == table.size(1) && x.size(3) == table.size(2) &&
-                        (table.size(0) == 1 || table.size(0) == x.size(0)),
-                    name, " (batch, heads, tokens, head dim) ", x.sizes(),
-                    " does not match cos / sin (batch or 1, tokens, head dim) ", table.sizes());
-  TORCH_CHECK_VALUE(x.stride(3) == 1 || x.size(3) == 1, name,
-                    "'s last dim must be dense, got strides ", x.strides());
-}
 
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
@@ -332,17 +237,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s)
 
 std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& cos, const at::Tensor& sin) {
-  for (auto [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
-    check_cpu(*t, name);
-    check_dtype(*t, {at::kFloat}, name);
-    check_dim(*t, 3, name);
-  }
-  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes(), "cos ", cos.sizes(), " and sin ", sin.sizes(),
-                    " must have one shape");
-  TORCH_CHECK_VALUE(cos.size(2) % 2 == 0, "the rotated head dim must be even, got ", cos.size(2));
-  check_rotary_input(q, "q", cos);
-  check_rotary_input(k, "k", cos);
-  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "q has batch ", q.size(0), " but k has ", k.size(0));
+  attn_ops::check_rotary_inputs(q, k, cos, sin);
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   return {rotate(q, c, s), rotate(k, c, s)};
 }
@@ -353,38 +248,6 @@ std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at
 // a third of a Llama layer's non-kernel time per token.
 
 namespace {
-
-void check_cache_rows(const at::Tensor& buf, const at::Tensor& x, int64_t position,
-                      const char* buf_name, const char* x_name) {
-  check_cpu(buf, buf_name);
-  check_cpu(x, x_name);
-  TORCH_CHECK_TYPE(buf.scalar_type() == x.scalar_type(), x_name, " has dtype ", x.scalar_type(),
-                   " but ", buf_name, " holds ", buf.scalar_type());
-  TORCH_CHECK_VALUE(buf.dim() >= 2 && x.dim() == buf.dim(), x_name, " ", x.sizes(), " and ",
-                    buf_name, " ", buf.sizes(),
-                    " must both be (..., rows, D) with the same number of dims");
-  for (int64_t i = 0; i < buf.dim(); ++i) {
-    TORCH_CHECK_VALUE(i == buf.dim() - 2 || buf.size(i) == x.size(i), x_name, " ", x.sizes(),
-                      " does not fit ", buf_name, " ", buf.sizes(),
-                      ": all dims but the rows must match");
-  }
-  const int64_t rows = x.size(-2), capacity = buf.size(-2);
-  // (as `position <= capacity - rows`: position + rows can overflow)
-  TORCH_CHECK_INDEX(position >= 0 && rows <= capacity && position <= capacity - rows, "position ",
-                    position, " + ", rows, " rows of ", x_name, " do not fit in the ", capacity,
-                    " rows of ", buf_name);
-  TORCH_CHECK_VALUE(buf.stride(-1) == 1 || buf.size(-1) <= 1, buf_name,
-                    "'s last dim must be dense, got strides ", buf.strides());
-  check_no_internal_overlap(buf, buf_name);
-}
-
-// x must not share memory with the rows of buf it is written to (a row copied after another row
-// overwrote it would be wrong), as torch's copy_ refuses. Only a buffer x lies in needs the view.
-void check_apart(const at::Tensor& buf, const at::Tensor& x, int64_t position,
-                 const char* rows_name, const char* x_name) {
-  if (may_overlap(buf, x))
-    check_no_overlap(buf.narrow(-2, position, x.size(-2)), rows_name, x, x_name);
-}
 
 // src (..., n, D) -> rows [row0, row0 + n) of dst (..., capacity, D); both with a dense last dim.
 void copy_rows(const at::Tensor& dst, int64_t row0, const at::Tensor& src) {
@@ -412,10 +275,7 @@ void copy_rows(const at::Tensor& dst, int64_t row0, const at::Tensor& src) {
 
 void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
                   const at::Tensor& v, int64_t position) {
-  check_cache_rows(keys, k, position, "keys", "k");
-  check_cache_rows(values, v, position, "values", "v");
-  check_apart(keys, k, position, "the rows of keys written", "k");
-  check_apart(values, v, position, "the rows of values written", "v");
+  attn_ops::check_kv_write_inputs(keys, values, k, v, position);
   copy_rows(keys, position, k.stride(-1) == 1 ? k : k.contiguous());
   copy_rows(values, position, v.stride(-1) == 1 ? v : v.contiguous());
 }

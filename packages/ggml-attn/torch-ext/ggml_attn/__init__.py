@@ -10,6 +10,8 @@
   rotate_half form) on its own cos / sin tables, q and k in one call; `layers.RotaryPosEmb` is the
   kernels-library layer for the `rotary_pos_emb` function kernel transformers maps.
 - `kv_write(keys, values, k, v, position)`: a key/value cache append in place, both in one call.
+- `info()`, and on a Metal build `metal_dispatches()` / `reset_metal_dispatches()`: the kernels
+  upstream's Metal host code dispatched.
 
 A query whose keys are all masked (left padding) gets zeros, never NaN.
 """
@@ -19,19 +21,27 @@ from __future__ import annotations
 import torch
 
 from . import _checks, layers, reference
-from ._checks import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from ._ggml_runtime import info, same_device
+from ._checks import MAX_HEAD_DIM, METAL_HEAD_DIMS, SUPPORTED_DTYPES
+from ._ggml_runtime import info, metal_dispatches, reset_metal_dispatches, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
-    "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward", "info", "kv_write",
-    "layers", "reference", "supports_flash_attn",
+    "MAX_HEAD_DIM", "METAL_HEAD_DIMS", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward",
+    "info", "kv_write", "layers", "metal_dispatches", "reference", "reset_metal_dispatches", "supports_flash_attn",
 ]
 
 def supports_flash_attn(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this build computes attention for this head dim and dtype (ggml-cpu takes any head
-    dim up to MAX_HEAD_DIM and float32/float16/bfloat16 q/k/v)."""
-    return 1 <= int(head_dim) <= MAX_HEAD_DIM and dtype in SUPPORTED_DTYPES
+    """Whether this build computes attention for this head dim and dtype: float32/float16/bfloat16
+    q/k/v, and any head dim up to MAX_HEAD_DIM on the CPU, those in METAL_HEAD_DIMS on Metal (the
+    head dims upstream's Metal kernels are instantiated for)."""
+    if dtype not in SUPPORTED_DTYPES:
+        return False
+    if _BACKEND == "cpu":
+        return 1 <= int(head_dim) <= MAX_HEAD_DIM
+    return int(head_dim) in METAL_HEAD_DIMS
+
+
+_BACKEND = info()["backend"]
 
 
 def flash_attn(

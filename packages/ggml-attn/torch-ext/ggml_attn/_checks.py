@@ -12,6 +12,9 @@ import torch
 from ._ggml_runtime import check_dim, check_dtype, dtype_name
 
 MAX_HEAD_DIM = 1024
+# ggml-metal's flash-attention kernels (its supports_op): these query/key head dims, value head
+# dim <= key head dim.
+METAL_HEAD_DIMS = (32, 40, 48, 64, 72, 80, 96, 112, 128, 192, 256, 320, 512, 576)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
 
