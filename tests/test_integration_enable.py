@@ -233,3 +233,50 @@ def _clean_env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", locate.BUILDS_ENV)}
+
+
+def test_each_backend_has_its_own_build_folders():
+    """`builds("metal-emu")` takes each package's build-metal-emu/ folder (a kernel folder whose
+    variants kernels finds directly), `builds()` the package folders (variants under build/)."""
+    cpu, metal = locate.builds(), locate.builds("metal-emu")
+    assert set(metal) == set(locate.HUB_IDS) == set(cpu), "build the packages first (nox -s build)"
+    for repo_id, folder in metal.items():
+        assert folder == cpu[repo_id] / "build-metal-emu" and locate.variant_dir(folder) is not None
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        locate.builds("cuda")
+
+
+def test_enable_refuses_bad_backend_arguments_before_changing_anything():
+    out = run("""
+before = snapshot()
+errors = []
+for kwargs in ({"backend": "mps"}, {"backend": "metal-emu", "repack_weights": True}):
+    try:
+        gk.enable(**kwargs)
+    except ValueError as e:
+        errors.append(str(e))
+untouched = differences(before, snapshot())
+gk.enable()
+try:
+    gk.enable(backend="metal-emu")
+except RuntimeError as e:
+    errors.append(str(e))
+try:
+    gk.metal_dispatches()
+except RuntimeError as e:
+    errors.append(str(e))
+cpu = gk.backend()
+gk.disable()
+gk.enable(backend="metal-emu")
+metal = gk.backend()
+gk.reset_metal_dispatches()
+empty = gk.metal_dispatches()
+gk.disable()
+print(json.dumps({"errors": errors, "untouched": untouched, "backends": [cpu, metal, gk.backend()], "empty": empty}))
+""")
+    assert out["untouched"] == []
+    assert [e.split(":")[0] for e in out["errors"]] == [
+        "unknown backend 'mps'", "repack_weights holds weights in ggml-cpu's layout", "enabled with backend 'cpu'",
+        "metal_dispatches() needs enable(backend='metal-emu'), enabled",
+    ]
+    assert out["backends"] == ["cpu", "metal-emu", None] and out["empty"] == {}

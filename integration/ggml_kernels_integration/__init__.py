@@ -26,6 +26,11 @@
 - after each packed load, says once what runs on our kernels and what does not, and why (`report`),
   instead of kernels' warning per layer.
 
+`enable(backend="metal-emu")` sends every kernel call to the emulated-Metal builds instead
+(`packages/<name>/build-metal-emu`: upstream's Metal host code and kernels, run on the CPU on CPU
+tensors): transformers runs the model through the Metal path of every package, for verification on a
+machine without a Mac (slow); `metal_dispatches()` then lists the Metal kernels that ran.
+
 It is all or nothing: every change goes through one undo log (`patching.PatchSet`), so a failure
 midway leaves transformers as it was, and `disable()` restores every attribute it changed. It checks
 first that transformers and kernels are versions it was tested with and that every internal it
@@ -66,8 +71,11 @@ __all__ = [
     "check_gguf",
     "disable",
     "enable",
+    "backend",
     "is_enabled",
+    "metal_dispatches",
     "original",
+    "reset_metal_dispatches",
     "summary",
 ]
 
@@ -91,10 +99,13 @@ def is_enabled() -> bool:
     return "patches" in _active
 
 
-def enable(*, dense_prefill: bool = True, repack_weights: bool = False, allow_untested_versions: bool = False,
-           report_loads: bool = True) -> None:
+def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: bool = False,
+           allow_untested_versions: bool = False, report_loads: bool = True) -> None:
     """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
 
+    backend: "cpu" (ggml-cpu, the default) or "metal-emu" (upstream's Metal backend on the emulated
+        device: every package's build-metal-emu build, all five required; dense_prefill and
+        repack_weights, CPU-only paths, stay off).
     dense_prefill: prefill matmuls on block-32 weights take `dense_prefill` (ggml's dequantize and a
         bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
         matmul (8-bit activations, as llama.cpp). The last call's value holds.
@@ -106,27 +117,36 @@ def enable(*, dense_prefill: bool = True, repack_weights: bool = False, allow_un
     report_loads: after each packed GGUF load, log (logger "ggml_kernels_integration", INFO, on
         stderr unless the application configured logging) what runs on our kernels.
 
-    Calling it again while enabled only updates `dense_prefill` and `repack_weights`. Raises `UnsupportedVersionError`,
-    `InternalsChangedError` or `RuntimeError` (no build found) before changing anything; any other
-    failure undoes what was changed."""
+    Calling it again while enabled only updates `dense_prefill` and `repack_weights` (another backend
+    needs `disable()` first). Raises `UnsupportedVersionError`, `InternalsChangedError`, `ValueError`
+    or `RuntimeError` (no build found) before changing anything; any other failure undoes what was
+    changed."""
+    if backend not in locate.BUILD_FOLDERS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(locate.BUILD_FOLDERS)}")
+    if backend != "cpu" and repack_weights:
+        raise ValueError("repack_weights holds weights in ggml-cpu's layout: it needs backend='cpu'")
+    if is_enabled() and backend != _active["backend"]:
+        raise RuntimeError(f"enabled with backend {_active['backend']!r}: call disable() before enabling {backend!r}")
     _options["repack_weights"] = bool(repack_weights)
     if is_enabled():
-        _dense_prefill_module.set_enabled(dense_prefill)
+        _dense_prefill_module.set_enabled(dense_prefill and backend == "cpu")
         return
     if not allow_untested_versions:
         compat.check_versions()
     compat.check_internals()
-    ours = locate.builds()
-    if locate.QUANTIZATION not in ours:
-        raise RuntimeError(locate.not_found_message())
+    ours = locate.builds(backend)
+    required = (locate.QUANTIZATION,) if backend == "cpu" else locate.HUB_IDS
+    missing = tuple(repo_id for repo_id in required if repo_id not in ours)
+    if missing:
+        raise RuntimeError(locate.not_found_message(backend, missing))
     patches = PatchSet()
     try:
         _install(patches, ours, report_loads)
     except BaseException:
         patches.restore()
         raise
-    _dense_prefill_module.set_enabled(dense_prefill)
-    _active["patches"] = patches
+    _dense_prefill_module.set_enabled(dense_prefill and backend == "cpu")
+    _active.update(patches=patches, backend=backend, builds=ours)
 
 
 def disable() -> None:
@@ -134,9 +154,45 @@ def disable() -> None:
     Models loaded while enabled keep the layer kernels grafted onto their modules; their packed
     linears go back to transformers' own path."""
     patches = _active.pop("patches", None)
+    _active.clear()
     if patches is not None:
         patches.restore()
     _dense_prefill_module.set_enabled(True)
+
+
+def backend() -> str | None:
+    """The backend of the enable() in force ("cpu" or "metal-emu"), None when not enabled."""
+    return _active.get("backend")
+
+
+def _loaded_packages() -> list:
+    """The package modules of the enable() in force (kernels imports each build once)."""
+    import kernels
+
+    if not is_enabled():
+        raise RuntimeError("ggml_kernels_integration is not enabled")
+    return [kernels.get_kernel(repo_id, version=1, **locate.backend_kwargs()) for repo_id in _active["builds"]]
+
+
+def metal_dispatches() -> dict[str, int]:
+    """With `enable(backend="metal-emu")`: {Metal kernel name: threadgroups dispatched}, summed over
+    every package, since the packages were loaded or `reset_metal_dispatches()` last ran. Raises
+    RuntimeError on the CPU backend (no Metal dispatches to show)."""
+    if backend() != "metal-emu":
+        raise RuntimeError(f"metal_dispatches() needs enable(backend='metal-emu'), enabled: {backend()!r}")
+    total: dict[str, int] = {}
+    for module in _loaded_packages():
+        for kernel, threadgroups in module.metal_dispatches().items():
+            total[kernel] = total.get(kernel, 0) + threadgroups
+    return dict(sorted(total.items()))
+
+
+def reset_metal_dispatches() -> None:
+    """Forget the Metal dispatches of every package so far (see `metal_dispatches`)."""
+    if backend() != "metal-emu":
+        raise RuntimeError(f"reset_metal_dispatches() needs enable(backend='metal-emu'), enabled: {backend()!r}")
+    for module in _loaded_packages():
+        module.reset_metal_dispatches()
 
 
 def original(owner, name: str):

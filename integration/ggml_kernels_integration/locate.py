@@ -8,6 +8,9 @@ after `nox -s build`, or a kernel repository downloaded from the Hub. Looked up,
    package folder with a `build.toml`, or a folder of such package folders (a checkout's `packages/`);
 2. `LOCAL_KERNELS` entries the user set for our Hub ids (kernels' own override, same form as 1's first);
 3. the `packages/` folder of the checkout this module lives in (an editable install).
+
+A package folder holds one build per backend: `build/` (CPU) and `build-metal-emu/` (upstream's
+Metal backend on the emulated device, CPU tensors); `builds(backend)` picks the backend's folder.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ QUANTIZATION = "ggml-org/ggml-quantization"
 # every package the integration can use; only ggml-quantization is required
 HUB_IDS = (QUANTIZATION, "ggml-org/ggml-norm", "ggml-org/ggml-attn", "ggml-org/ggml-gated-delta-net", "transformers-community/topk")
 CHECKOUT_PACKAGES = Path(__file__).resolve().parents[2] / "packages"
+# backend -> the build folder inside a package folder
+BUILD_FOLDERS = {"cpu": "build", "metal-emu": "build-metal-emu"}
 
 
 def cpu_variant() -> str:
@@ -69,8 +74,18 @@ def _entries(value: str | None) -> dict[str, Path]:
     return found
 
 
-def builds() -> dict[str, Path]:
-    """Hub id -> kernel folder, for each of `HUB_IDS` that has a CPU build for this torch."""
+def _for_backend(folder: Path, backend: str) -> Path:
+    """The kernel folder of `backend` in a package folder (the folder itself for the CPU, whose
+    variants kernels finds under build/); a kernel folder stays as it is."""
+    if backend == "cpu" or not (folder / "build.toml").is_file():
+        return folder
+    return folder / BUILD_FOLDERS[backend]
+
+
+def builds(backend: str = "cpu") -> dict[str, Path]:
+    """Hub id -> kernel folder, for each of `HUB_IDS` that has a `backend` build for this torch."""
+    if backend not in BUILD_FOLDERS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BUILD_FOLDERS)}")
     sources = [
         _entries(os.environ.get(BUILDS_ENV)),
         _entries(os.environ.get("LOCAL_KERNELS")),
@@ -80,14 +95,15 @@ def builds() -> dict[str, Path]:
     for repo_id in HUB_IDS:
         for source in sources:
             folder = source.get(repo_id)
+            folder = None if folder is None else _for_backend(folder, backend)
             if folder is not None and variant_dir(folder) is not None:
                 out[repo_id] = folder
                 break
     return out
 
 
-def not_found_message() -> str:
+def not_found_message(backend: str = "cpu", missing: tuple[str, ...] = (QUANTIZATION,)) -> str:
     return (
-        f"no build of {QUANTIZATION} for {cpu_variant()} was found: set {BUILDS_ENV} to the kernel "
-        f"folders (or `<hub id>=<folder>` entries), or in a checkout run `nox -s build`"
+        f"no {backend} build of {', '.join(missing)} for {cpu_variant()} was found: set {BUILDS_ENV} to "
+        f"the kernel folders (or `<hub id>=<folder>` entries), or in a checkout run `nox -s build`"
     )
