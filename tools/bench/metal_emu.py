@@ -29,7 +29,7 @@ def _load(package: str):
     return kernels.get_local_kernel(Path(REPO / "packages" / package / "build-metal-emu"), backend="cpu")
 
 
-def workloads(quant, norm, topk, gdn) -> dict:
+def workloads(quant, norm, topk, gdn, attn) -> dict:
     """name -> (module, call), on random data quantized by ggml's reference quantizer."""
     g = torch.Generator().manual_seed(0)
     k, n = 1024, 256
@@ -47,6 +47,9 @@ def workloads(quant, norm, topk, gdn) -> dict:
     q, v = torch.randn(1, 1, 16, 128, generator=g), torch.randn(1, 1, 16, 128, generator=g)
     gate, beta, state = -torch.rand(1, 1, 16, generator=g), torch.rand(1, 1, 16, generator=g), torch.zeros(1, 16, 128, 128)
     cx, cw, cs = torch.randn(1, 6144, 32, generator=g), torch.randn(6144, 1, 4, generator=g), torch.zeros(1, 6144, 4)
+    aq1, aq32 = torch.randn(1, 8, 1, 256, generator=g), torch.randn(1, 8, 32, 256, generator=g)
+    ak, av = torch.randn(1, 2, 512, 256, generator=g), torch.randn(1, 2, 512, 256, generator=g)
+    keys, values, rows = torch.zeros(1, 2, 512, 256), torch.zeros(1, 2, 512, 256), torch.randn(1, 2, 1, 256, generator=g)
     return {
         f"rms_norm {k} x 32, weight": (norm, lambda: norm.rms_norm(x[32], nw)),
         f"rms_norm_gated {k} x 32": (norm, lambda: norm.rms_norm_gated(x[32], x[32], nw)),
@@ -63,6 +66,9 @@ def workloads(quant, norm, topk, gdn) -> dict:
         "MoE routing, 64 experts, top-8 of 32 tokens": (topk, lambda: topk.softmax_top_k(logits, 8)),
         "gated delta net decode, 16 heads of 128": (gdn, lambda: gdn.gated_delta_net(q, q, v, gate, beta, state)),
         "causal conv 6144 channels, 32 tokens": (gdn, lambda: gdn.causal_conv1d(cx, cw, cs)),
+        "flash attention decode, 8/2 heads of 256, 512 keys": (attn, lambda: attn.flash_attn(aq1, ak, av)),
+        "flash attention prefill, 32 queries, causal": (attn, lambda: attn.flash_attn(aq32, ak, av, causal=True)),
+        "kv_write 1 row into a 512-row cache (K and V)": (attn, lambda: attn.kv_write(keys, values, rows, rows, 7)),
     }
 
 
@@ -77,7 +83,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args()
     rows = []
-    builds = (_load(p) for p in ("ggml-quantization", "ggml-norm", "topk", "ggml-gated-delta-net"))
+    builds = (_load(p) for p in ("ggml-quantization", "ggml-norm", "topk", "ggml-gated-delta-net", "ggml-attn"))
     for name, (module, call) in workloads(*builds).items():
         module.reset_metal_dispatches()
         call()  # warm-up, and the kernels it takes
