@@ -86,11 +86,22 @@ def test_an_instance_of_another_file_is_an_error():
 
 def test_lane_zero_branches_are_convergence_points():
     """On a GPU a SIMD group's lanes run in lock-step: lane 0's branch runs after every lane's
-    earlier statements and before their later ones; the emulator meets there explicitly."""
-    body = "float s = ss[tiisg];\n    if (tiisg == 0 && ok) {\n        ss[0] = s; { }\n    }\n    float t = ss[1];"
+    earlier statements and before their later ones; the emulator meets there explicitly when the
+    branch touches threadgroup memory, and leaves a lane's own store to device memory alone."""
+    body = """kernel void k(device float * dst, threadgroup float * ss [[threadgroup(0)]], ushort tiisg) {
+    threadgroup half  * sm  = (threadgroup half  *) (ss + 8);
+    float s = ss[tiisg];
+    if (tiisg == 0 && ok) {
+        ss[0] = s; { }
+    }
+    if (tiisg == 0) { sm[1] = 0; }
+    if (tiisg == 0) { dst[0] = s; }
+    float t = ss[1];"""
     out = mt.converge_around_lane_zero_branches(body)
-    assert "if (gk_simd_converge(), tiisg == 0 && ok) {" in out
+    assert "if (gk_simd_converge(), tiisg == 0 && ok) {" in out and "if (gk_simd_converge(), tiisg == 0) { sm[1] = 0; }" in out
     assert out.index("} gk_simd_converge();") > out.index("ss[0] = s; { }") and out.endswith("float t = ss[1];")
+    assert "    if (tiisg == 0) { dst[0] = s; }" in out
+    assert mt.threadgroup_names(body) == {"ss", "sm"}
     with pytest.raises(ValueError, match="with an else"):
         mt.converge_around_lane_zero_branches("if (tiisg == 0) { a(); } else { b(); }")
     with pytest.raises(ValueError, match="not a braced block"):

@@ -12,10 +12,12 @@ gives the library and makes the address spaces vanish, so what is left to rewrit
   the emulator's kernel registry that binds those parameters from a dispatch and calls it;
 - kernel-scope `threadgroup T x[N];` arrays become references to storage shared by the running
   threadgroup (`gk_threadgroup_local`), not per-thread locals;
-- a lane-0 branch (`if (tiisg == 0 ...) { ... }`) is a convergence point of the SIMD group before
-  and after it, as on hardware, where the group's lanes run in lock-step and the others wait while
-  lane 0 runs the branch: upstream relies on it (fa_vec_common.metal: lane 0 stores the softmax
-  sums over `ss` right after its lanes' P*V reads of `ss`, with no barrier between when NE == 1);
+- a lane-0 branch (`if (tiisg == 0 ...) { ... }`) that touches threadgroup memory is a convergence
+  point of the SIMD group before and after it, as on hardware, where the group's lanes run in
+  lock-step and the others wait while lane 0 runs the branch: upstream relies on it
+  (fa_vec_common.metal: lane 0 stores the softmax sums over `ss` right after its lanes' P*V reads
+  of `ss`, with no barrier between when NE == 1). A branch that only stores a lane's own value to
+  device memory (mul_mv's `dst[row] = sum`) orders nothing another lane reads, and stays as it is;
 - GNU range initialisers (C only) become fill loops, `1.0h` half literals casts, and every file
   sits in its own unnamed namespace (each .metal file is its own Metal library).
 `python -m tools.build.metal_translate <file.metal>` prints one translation.
@@ -80,12 +82,23 @@ def _matching_paren(text: str, open_at: int, pair: str = "()") -> int:
 _LANE_ZERO_BRANCH = re.compile(r"\bif\s*\(\s*(?=tiisg\s*==\s*0\b)")
 
 
+_THREADGROUP_NAME = re.compile(
+    r"\bthreadgroup\s+(?:const\s+)?[\w:]+(?:\s*<[^<>]*>)?\s*(?:\*\s*(?:const\s+)?(\w+)|(\w+)\s*\[)")
+
+
+def threadgroup_names(text: str) -> set[str]:
+    """The identifiers `text` declares in the threadgroup address space: pointers (kernel
+    parameters, `threadgroup T * p = ...`) and arrays (`threadgroup T x[N]`)."""
+    return {a or b for a, b in _THREADGROUP_NAME.findall(text)}
+
+
 def converge_around_lane_zero_branches(text: str) -> str:
     """`if (tiisg == 0 ...) { ... }` -> `if (gk_simd_converge(), tiisg == 0 ...) { ... }
-    gk_simd_converge();`: the SIMD group meets before lane 0 takes its branch and after it, so a
-    lane-0 write is ordered after its lanes' earlier reads and before their later ones, whatever
-    order the emulator runs the lanes in. (Every such branch upstream is a braced block without
-    else; one that is not raises here.)"""
+    gk_simd_converge();` when the branch names threadgroup memory: the SIMD group meets before lane
+    0 takes its branch and after it, so lane 0's accesses are ordered after its lanes' earlier ones
+    and before their later ones, whatever order the emulator runs the lanes in. (Every such branch
+    upstream is a braced block without else; one that is not raises here.)"""
+    shared = threadgroup_names(text)
     out, pos = [], 0
     for m in _LANE_ZERO_BRANCH.finditer(text):
         close = _matching_paren(text, text.index("(", m.start()))
@@ -95,6 +108,8 @@ def converge_around_lane_zero_branches(text: str) -> str:
         end = _matching_paren(text, brace, "{}")
         if re.match(r"\s*else\b", text[end + 1 :]):
             raise ValueError(f"a lane-0 branch with an else: {text[m.start() : close + 1]}")
+        if shared.isdisjoint(re.findall(r"\w+", text[m.start() : end + 1])):
+            continue
         out.append(text[pos : m.end()] + "gk_simd_converge(), " + text[m.end() : end + 1] + " gk_simd_converge();")
         pos = end + 1
     out.append(text[pos:])
