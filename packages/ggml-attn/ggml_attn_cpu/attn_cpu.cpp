@@ -70,12 +70,9 @@ class AttentionCall {
         dv_(v.size(3)),
         scale_(attention_scale(scale, d_)),
         softcap_(static_cast<float>(softcap)),
-        // ggml reads rows whose innermost dim is dense; other strides are kept as they are.
-        q32_(q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous()
-             : q.stride(3) == 1            ? q
-                                           : q.contiguous()),
-        k_(k.stride(3) == 1 ? k : k.contiguous()),
-        v_(v.stride(3) == 1 ? v : v.contiguous()),
+        q32_(float32_query(q)),
+        k_(dense_rows(k)),
+        v_(dense_rows(v)),
         mask_(additive_mask(mask, causal, b_, hq_, sq_, skv_)),
         sinks32_(std::move(sinks32)),
         out_(at::empty({b_, sq_, hq_, dv_}, q.options().dtype(at::kFloat))) {}

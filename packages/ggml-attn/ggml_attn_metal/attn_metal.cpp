@@ -94,11 +94,7 @@ at::Tensor flash_attn_metal(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), skv = k.size(2), dv = v.size(3);
   const at::Tensor sinks32 = float32_sinks(sinks, hq);
   const at::Tensor m = additive_mask(mask, causal, b, hq, sq, skv);
-  const at::Tensor q32 = q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous()
-                         : q.stride(3) == 1            ? q
-                                                       : q.contiguous();
-  const at::Tensor kd = k.stride(3) == 1 ? k : k.contiguous();
-  const at::Tensor vd = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor q32 = float32_query(q), kd = dense_rows(k), vd = dense_rows(v);
   at::Tensor out = at::empty({b, sq, hq, dv}, q.options().dtype(at::kFloat));
   if (out.numel() > 0 && skv == 0) out.zero_();  // nothing to attend to
   if (out.numel() > 0 && skv > 0) {

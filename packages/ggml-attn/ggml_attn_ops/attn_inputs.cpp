@@ -136,6 +136,12 @@ at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
   return sinks->to(at::kFloat).contiguous();
 }
 
+at::Tensor dense_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+at::Tensor float32_query(const at::Tensor& q) {
+  return q.scalar_type() != at::kFloat ? q.to(at::kFloat).contiguous() : dense_rows(q);
+}
+
 float attention_scale(double scale, int64_t head_dim) {
   return scale == 0.0 ? 1.0f / std::sqrt(static_cast<float>(head_dim)) : static_cast<float>(scale);
 }

@@ -24,6 +24,12 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
 // The sinks as float32 (one per query head), undefined when there are none.
 at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq);
 
+// t with a dense innermost dim, as ggml reads rows (t itself when it has one; other strides kept).
+at::Tensor dense_rows(const at::Tensor& t);
+
+// q as ggml's flash attention takes it: float32, dense rows.
+at::Tensor float32_query(const at::Tensor& q);
+
 // 1/sqrt(D) for scale 0, else scale.
 float attention_scale(double scale, int64_t head_dim);
 
