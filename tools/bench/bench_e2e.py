@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,24 +67,41 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def run_isolated(command: list[str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess | str:
+    """`command` in a process of its own: its result, or why it gave none (`FAILED: ...` in the tables).
+    A crash there (a segmentation fault in a backend's native code) ends that process, never the caller."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        return f"killed by {name}" + (f": {proc.stderr.strip().splitlines()[-1]}" if proc.stderr.strip() else "")
+    if proc.returncode != 0:
+        return (proc.stderr or proc.stdout).strip()[-2000:] or f"exit status {proc.returncode}"
+    return proc
+
+
 def measure(path: Path, backend: str, settings: dict, threads: int) -> dict:
     """One `bench` run in a fresh interpreter; its JSON result, or {"error": ...} if it failed."""
     command = [sys.executable, "-m", "ggml_kernels_integration", "bench", "--gguf", str(path), "--backend", backend,
                "--prompt-tokens", *map(str, settings["prompt_tokens"]), "--decode-tokens", str(settings["decode_tokens"]),
                "--repeats", str(settings["repeats"]), "--threads", str(threads), "--json"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"backend": backend, "model": path.name, "error": f"timed out after {RUN_TIMEOUT_S} s"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"backend": backend, "model": path.name, "error": (proc.stderr or proc.stdout).strip()[-2000:]}
+    proc = run_isolated(command)
+    lines = proc.stdout.strip().splitlines() if not isinstance(proc, str) else []
+    if not lines:
+        return {"backend": backend, "model": path.name, "error": proc if isinstance(proc, str) else "no output"}
     return json.loads(lines[-1])
 
 
 def error_summary(result: dict) -> str:
-    """The last line of a failed run's error output."""
+    """The first line of a killed run's reason, else the last line of a failed run's error output."""
     lines = result["error"].strip().splitlines()
+    if lines and lines[0].startswith("killed by "):
+        return lines[0]
     return lines[-1] if lines else "failed without output"
 
 

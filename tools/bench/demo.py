@@ -16,7 +16,6 @@ Short on purpose (a few minutes on 2 cores); tools/bench/bench_e2e.py is the ful
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,25 +41,33 @@ def _log(message: str) -> None:
 
 
 def cli_generate(path: Path, kernels_on: bool, threads: int) -> tuple[str, str]:
-    """(answer text, summary line) of `ggml-kernels generate --chat` on SmolLM2 in a fresh process."""
+    """(answer text, summary line) of `ggml-kernels generate --chat` on SmolLM2 in a fresh process;
+    ("FAILED: <why>", "") if that process failed."""
     command = [sys.executable, "-m", "ggml_kernels_integration", "generate", "--gguf", str(path), "--chat",
                "--prompt", QUESTION, "--max-new-tokens", str(ANSWER_TOKENS), "--threads", str(threads)]
     if not kernels_on:
         command.append("--no-kernels")
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    proc = bench_e2e.run_isolated(command, timeout=1800)
+    if isinstance(proc, str):
+        return _failed(proc), ""
     summary = next((line for line in reversed(proc.stderr.splitlines()) if line.startswith("prompt ")), "")
     return proc.stdout.strip(), summary
 
 
 def llama_cpp_answer(path: Path, threads: int) -> str:
-    """llama.cpp's greedy answer to the same chat turn (its own chat template code, the file's template)."""
-    import llama_cpp
+    """llama.cpp's greedy answer to the same chat turn, in a process of its own; "FAILED: <why>" if it failed."""
+    command = [sys.executable, "-m", "tools.bench.llama_cpp_chat", "--gguf", str(path), "--prompt", QUESTION,
+               "--max-tokens", str(ANSWER_TOKENS), "--threads", str(threads)]
+    proc = bench_e2e.run_isolated(command, timeout=1800)
+    return _failed(proc) if isinstance(proc, str) else proc.stdout.strip()
 
-    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=512, verbose=False)
-    reply = llm.create_chat_completion([{"role": "user", "content": QUESTION}], temperature=0.0, max_tokens=ANSWER_TOKENS)
-    return reply["choices"][0]["message"]["content"].strip()
+
+def _failed(reason: str) -> str:
+    return "FAILED: " + bench_e2e.error_summary({"error": reason})
+
+
+def _answer(text: str) -> str:
+    return text if text.startswith("FAILED: ") else repr(text)
 
 
 def chat_section(threads: int) -> list[str]:
@@ -71,11 +78,12 @@ def chat_section(threads: int) -> list[str]:
     alone, alone_summary = cli_generate(path, kernels_on=False, threads=threads)
     _log("SmolLM2 chat: llama.cpp")
     reference = llama_cpp_answer(path, threads)
+    same = "" if reference.startswith("FAILED: ") else f"  ({'same text as ours' if reference == ours else 'differs from ours'})"
     return [
         f"SmolLM2-135M-Instruct (Q4_1) asked {QUESTION!r}, greedy, up to {ANSWER_TOKENS} tokens:",
-        f"  ours              {ours!r}",
-        f"  transformers f32  {alone!r}",
-        f"  llama.cpp         {reference!r}  ({'same text as ours' if reference == ours else 'differs from ours'})",
+        f"  ours              {_answer(ours)}",
+        f"  transformers f32  {_answer(alone)}",
+        f"  llama.cpp         {_answer(reference)}{same}",
         f"  ours:  {ours_summary}",
         f"  alone: {alone_summary}",
     ]
