@@ -2,7 +2,7 @@
 
     nox -s build                      # every package for every torch
     nox -s tests                      # the test matrix: every test once, the fast tier on every torch
-    nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell
+    nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell (see MATRIX)
     nox -s tests --install-only       # install and build every cell, run no test (.ci/run, first)
     nox -s lint                       # ruff and clang-format, checking only (-- --fix rewrites the files)
     nox -s sanitize                   # the fast tier on AddressSanitizer + UBSan builds (-- pytest args)
@@ -27,12 +27,10 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
-TORCH = ["2.13.0", "2.14.1"]
+TORCH = ["2.13.0", "2.14.1", "2.15.0"]
+TRANSFORMERS = ["5.22.2", "5.23.0"]  # supported, and the newest on the index
 BUILD_DEPS = ["ninja", "kernel-abi-check==0.14.1"]
-TEST_DEPS = [
-    "pytest", "pytest-benchmark", "numpy", "gguf==0.19.0", "kernels==0.17.2",
-    "transformers==5.22.2", "accelerate", "tabulate",
-]
+TEST_DEPS = ["pytest", "pytest-benchmark", "numpy", "gguf==0.19.0", "kernels==0.17.2", "accelerate", "tabulate"]
 # llama-cpp-python's own runtime needs (installed without its heavier optional extras).
 LLAMA_CPP_DEPS = ["numpy", "typing-extensions", "diskcache", "jinja2"]
 
@@ -43,7 +41,9 @@ def _env(session: nox.Session) -> dict:
 
 
 def _install(session: nox.Session, torch: str, *extra: str) -> None:
-    session.install(f"torch=={torch}", *BUILD_DEPS, *extra)
+    # PIP_CONSTRAINT: some machines cap pip at the torch releases they hold on disk (a pip.conf
+    # constraint file); an explicit pin here must win over that cap
+    session.install(f"torch=={torch}", *BUILD_DEPS, *extra, env={"PIP_CONSTRAINT": os.devnull})
 
 
 def _build(session: nox.Session) -> None:
@@ -72,25 +72,48 @@ def build(session: nox.Session, torch: str) -> None:
     _build(session)
 
 
-# The slow tier (tests marked `slow`: fresh processes, whole models, the bench tools) runs on this
-# torch only; every torch runs the fast tier, which holds every kernel and ABI test.
-SLOW_TIER_TORCH = TORCH[0]
+# The test matrix: (torch, transformers, tier). The slow tier (tests marked `slow`: fresh processes,
+# whole models, the bench tools) runs on the first cell only; every torch runs the fast tier, which
+# holds every kernel and ABI test; the newest transformers runs the tests that touch transformers.
+MATRIX = [
+    ("2.13.0", "5.22.2", "all"),
+    ("2.14.1", "5.22.2", "fast"),
+    ("2.15.0", "5.22.2", "fast"),
+    ("2.13.0", "5.23.0", "transformers"),
+]
+TIERS = {
+    "all": [],
+    "fast": ["-m", "not slow"],
+    # the integration (enable(), the GGUF loader, the CLI) without the emulated-Metal whole models,
+    # which add minutes and no transformers code that the CPU runs do not reach
+    "transformers": ["tests/test_integration.py", "tests/test_integration_enable.py",
+                     "tests/test_integration_bad_input.py", "tests/test_integration_kv_cache.py",
+                     "tests/test_integration_projection_groups.py", "tests/test_integration_dense_prefill.py",
+                     "tests/test_integration_repacking.py", "tests/test_integration_lean_metadata.py",
+                     "tests/test_integration_memory.py", "tests/test_gguf_models.py", "tests/test_gguf_validation.py",
+                     "tests/test_cli.py"],
+}
+SLOW_TIER_TORCH = MATRIX[0][0]
+
+
+def _cell_id(torch: str, transformers: str, tier: str) -> str:
+    """`torch='2.13.0'`, with the transformers version where it is not the supported one."""
+    return f"torch={torch!r}" + (f", transformers={transformers!r}" if transformers != TRANSFORMERS[0] else "")
 SHARED_MODELS = "from tools.models import make_gguf, smollm2; make_gguf.generate('tiny'); smollm2.gguf_path()"
 
 
 @nox.session
-@nox.parametrize("torch", TORCH)
-def tests(session: nox.Session, torch: str) -> None:
-    """Build, then run the tests of every package (or the paths given after --): all of them on
-    SLOW_TIER_TORCH, the fast tier (`-m "not slow"`) on the other torches; an `-m` after -- wins."""
-    _install(session, torch, *TEST_DEPS)
+@nox.parametrize(("torch", "transformers", "tier"), MATRIX, ids=[_cell_id(*cell) for cell in MATRIX])
+def tests(session: nox.Session, torch: str, transformers: str, tier: str) -> None:
+    """Build, then run this cell's tests (or the paths given after --): see MATRIX and TIERS."""
+    _install(session, torch, *TEST_DEPS, f"transformers=={transformers}")
     _install_llama_cpp(session)
     _install_integration(session)
     _build(session)
     # the model files the tests share, made before any test runs (.ci/run runs the cells side by side)
     session.run_install("python", "-c", SHARED_MODELS, env=_env(session))
-    tier = [] if torch == SLOW_TIER_TORCH else ["-m", "not slow"]
-    session.run("python", "-m", "pytest", *tier, *session.posargs, env=_env(session))
+    selection = [] if session.posargs and tier == "transformers" else TIERS[tier]
+    session.run("python", "-m", "pytest", *selection, *session.posargs, env=_env(session))
 
 
 @nox.session
@@ -98,7 +121,7 @@ def sanitize(session: nox.Session) -> None:
     """The fast tier on AddressSanitizer + UBSan builds of our C++ and ggml's CPU backend, made in a
     copy of this checkout (.nox/sanitize-tree) so they never replace the ordinary builds
     (tools/build/sanitize.py; needs gcc's libasan). Arguments after -- go to pytest instead."""
-    _install(session, TORCH[0], *TEST_DEPS)
+    _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
     _install_llama_cpp(session)
     session.run("python", "-m", "tools.build.sanitize", *session.posargs, env=_env(session))
 
@@ -135,7 +158,7 @@ def lint(session: nox.Session) -> None:
 def _install_model_runs(session: nox.Session, *extra: str) -> None:
     """For whole-model runs: torch + the test dependencies, llama.cpp, every package built, and
     ggml_kernels_integration."""
-    _install(session, TORCH[0], *TEST_DEPS, *extra)
+    _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}", *extra)
     _install_llama_cpp(session)
     _install_integration(session)
     _build(session)
@@ -162,7 +185,7 @@ def bench(session: nox.Session) -> None:
     Writes bench-results/<package>.json (the runner's) and .md (tools/bench/kernels_table.py).
     Also bench-results/metal-emu.md: ops on the emulated Metal device (tools/bench/metal_emu.py).
     -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those."""
-    _install(session, TORCH[0], *TEST_DEPS)
+    _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
     _install_llama_cpp(session)
     _build(session)
     quick = "--quick" in session.posargs
