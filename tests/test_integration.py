@@ -32,7 +32,8 @@ What is expected, and why the bounds are what they are:
   mat-vecs do (1.3 % apart on the tiny MoE; each closer to float32 than to the other).
 - A left-padded batch of two equals the two prompts run alone, logits and generated tokens, on each
   matmul path in turn: ggml's mul_mat, then `dense_prefill` forced down to 9 rows (its threshold
-  would otherwise send the 48-row batch to it and the 24- and 9-row prompts to ggml).
+  would otherwise send the 48-row batch to it and the 24- and 9-row prompts to ggml); on the
+  bfloat16 path within what it guarantees (see the test).
 - An 80-token prefill with `dense_prefill` is at least as close to float32 transformers as on
   ggml's path (SmolLM2: mean KL 3.7e-4 against 2.5e-3), and it ran where the file has block-32
   weights (see `test_dense_prefill_is_closer_to_float32`).
@@ -165,6 +166,8 @@ res = {
     "cache_top1": bool(torch.equal(cached.argmax(-1), uncached.argmax(-1))),
     "pad_rel": [max(rel(b[0], a[0]), rel(b[1, len(ids) - len(short):], a[1])) for b, a, _, _ in pad_runs],
     "pad_gen": [[bool(torch.equal(bg[i], ag[i])) for i in range(2)] for _, _, bg, ag in pad_runs],
+    # the same prompt alone on dense_prefill (forced down to 9 rows) against ggml's path
+    "dense_vs_ggml_rel": rel(pad_runs[1][1][0], pad_runs[0][1][0]),
     "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
     "attn": model.config._attn_implementation,
 }
@@ -225,9 +228,16 @@ def test_cached_decode_equals_uncached_forward(run):
 
 
 def test_left_padded_batch_equals_prompts_alone(run):
+    """On ggml's mul_mat every row is computed alone: the batch equals its prompts (1e-4: float32
+    summation order in attention). dense_prefill's bfloat16 GEMM may pick another kernel for another
+    row count (oneDNN on AMX CPUs; measured pad_rel 1.2e-2 on SmolLM2 there, 0 on AVX512-BF16 without
+    AMX), moving an output entry by one bfloat16 step (tests/test_integration_dense_prefill.py); that
+    is held to stay below the path's own distance from ggml's for the same prompt, and the greedy
+    tokens to be the same."""
     _, res = run
-    # ggml's mul_mat, then dense_prefill (bfloat16 GEMM, the same for every row count)
-    assert max(res["pad_rel"]) < 1e-4, res["pad_rel"]
+    ggml_rel, dense_rel = res["pad_rel"]
+    assert ggml_rel < 1e-4, res["pad_rel"]
+    assert dense_rel < max(1e-4, res["dense_vs_ggml_rel"]), (res["pad_rel"], res["dense_vs_ggml_rel"])
     assert res["pad_gen"] == [[True, True], [True, True]]
 
 

@@ -67,6 +67,22 @@ def test_chunks_give_the_same_product(quant, restore_state):
     torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
 
 
+def test_a_row_s_product_barely_depends_on_the_rows_beside_it(quant):
+    """What the path guarantees a left-padded batch: torch's bfloat16 GEMM may pick another kernel for
+    another row count (oneDNN on AMX CPUs does), whose float32 accumulation order differs; the output,
+    rounded to bfloat16, then moves by at most one bfloat16 step (2^-7 of the value) per entry. ggml's
+    own path computes every row alone and is exact here (tests/test_integration.py holds both)."""
+    n, k = 256, 512
+    blocks, w = packed(quant, "Q4_0", n, k, seed=6)
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(7))
+    batch = dense_prefill.matmul(quant, blocks, x, BLOCK_32["Q4_0"], n)
+    magnitude = x.abs() @ w.abs().T
+    for rows in (slice(0, 9), slice(39, 48), slice(0, 24), slice(24, 48)):
+        alone = dense_prefill.matmul(quant, blocks, x[rows], BLOCK_32["Q4_0"], n)
+        bound = 2**-7 * batch[rows].abs() + 2**-20 * magnitude[rows]
+        assert ((alone - batch[rows]).abs() <= bound).all()
+
+
 def test_bfloat16_activations(quant):
     n, k = 96, 128
     blocks, w = packed(quant, "Q8_0", n, k, seed=4)

@@ -15,6 +15,12 @@ before its dot products; bfloat16 keeps 8 significant bits per value and accumul
 dequantized weight (this one closer), and `tests/test_integration.py` a whole model's logits against
 float32 transformers. Decode steps (at most 8 rows) keep ggml's mat-vec, which is faster there.
 
+What it guarantees: each entry within bfloat16 rounding of the float32 product of the dequantized
+weight. It is not independent of the row count bit for bit: torch's bfloat16 GEMM may pick another
+kernel for another number of rows (oneDNN on AMX CPUs does), so an entry can move by one bfloat16
+step with the rows multiplied beside it, and a left-padded batch equals its prompts alone within
+that. ggml's own path computes every row alone.
+
 Measure it in a model, alternating rounds with the path off and on in one process:
     python -m tools.bench.ab_decode --gguf F --feature dense-prefill --prompt-tokens 512
 (the integration README has the dated table). `MIN_ROWS` is where the path became the faster one
