@@ -54,27 +54,23 @@ inline PyObject* py_ggml_version(PyObject*, PyObject*) {
 }
 inline PyObject* py_backend(PyObject*, PyObject*) { return str_result(backend_name()); }
 
-// The Metal runtime's dispatch log (Metal builds; a CPU build has none and raises).
-inline const GgmlApi& metal_api() {
-  const auto& G = ggml();
-  TORCH_CHECK(G.gk_metal_threadgroups_json != nullptr, "this is a ", backend_name(),
-              " build: it has no Metal dispatch log");
-  return G;
-}
+#ifdef GGML_KERNELS_BACKEND_METAL
+// The emulated-Metal build's instrumentation: the dispatch log of our device layer and the
+// emulator's lane schedule (a CPU build's module has none of it).
 inline PyObject* json_result(size_t (*fn)(char*, size_t)) {
   std::string text(fn(nullptr, 0) + 1, '\0');
   text.resize(fn(text.data(), text.size()));
   return str_result(text);
 }
 inline PyObject* py_metal_threadgroups_json(PyObject*, PyObject*) {
-  return guarded([] { return json_result(metal_api().gk_metal_threadgroups_json); });
+  return guarded([] { return json_result(ggml().gk_metal_threadgroups_json); });
 }
 inline PyObject* py_metal_dispatches_json(PyObject*, PyObject*) {
-  return guarded([] { return json_result(metal_api().gk_metal_dispatches_json); });
+  return guarded([] { return json_result(ggml().gk_metal_dispatches_json); });
 }
 inline PyObject* py_metal_reset_dispatches(PyObject*, PyObject*) {
   return guarded([] {
-    metal_api().gk_metal_dispatches_reset();
+    ggml().gk_metal_dispatches_reset();
     Py_RETURN_NONE;
   });
 }
@@ -82,25 +78,27 @@ inline PyObject* py_metal_set_lane_schedule(PyObject*, PyObject* flags) {
   return guarded([flags]() -> PyObject* {
     const long value = PyLong_AsLong(flags);
     if (value == -1 && PyErr_Occurred()) return nullptr;
-    metal_api().gk_metal_set_lane_schedule(static_cast<int>(value));
+    ggml().gk_metal_set_lane_schedule(static_cast<int>(value));
     Py_RETURN_NONE;
   });
 }
+#endif
 
 inline PyMethodDef kMethods[] = {
     {"cpu_variant", py_cpu_variant, METH_NOARGS, "ggml CPU variant loaded for this CPU"},
     {"runtime_path", py_runtime_path, METH_NOARGS, "path of the loaded ggml runtime library"},
     {"ggml_version", py_ggml_version, METH_NOARGS, "ggml version and commit"},
     {"backend", py_backend, METH_NOARGS, "the backend this build runs ops on"},
+#ifdef GGML_KERNELS_BACKEND_METAL
     {"metal_threadgroups_json", py_metal_threadgroups_json, METH_NOARGS,
-     "Metal builds: {kernel: threadgroups dispatched} since load or the last reset, as JSON"},
+     "{kernel: threadgroups dispatched} since load or the last reset, as JSON"},
     {"metal_dispatches_json", py_metal_dispatches_json, METH_NOARGS,
-     "Metal builds: every dispatch record since load or the last reset, as JSON"},
+     "every dispatch record since load or the last reset, as JSON"},
     {"metal_reset_dispatches", py_metal_reset_dispatches, METH_NOARGS,
-     "Metal builds: forget the dispatches so far"},
+     "forget the dispatches so far"},
     {"metal_set_lane_schedule", py_metal_set_lane_schedule, METH_O,
-     "Metal emulation: lane schedule flags (1: reverse order, 2: no convergence at lane-0 "
-     "branches)"},
+     "lane schedule flags (1: reverse order, 2: no convergence at lane-0 branches)"},
+#endif
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace ggml_kernels::python

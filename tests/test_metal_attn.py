@@ -98,14 +98,14 @@ def test_flash_attn_tuning_buckets_and_simdgroups(ma, ca):
     for skv in (1023, 1024):
         q, k, v = attention_inputs(1, 2, 1, 1, skv, 64, torch.float16, seed=skv)
         check_attention(ma, ca, q, k, v)
-        records = ma._ggml_runtime.metal_dispatch_records()
+        records = ma._metal_emu.metal_dispatch_records()
         pipelines[skv] = {r["pipeline"] for r in records if r["kernel"].startswith("kernel_flash_attn_ext_vec_f16")}
     assert pipelines[1023] != pipelines[1024], pipelines
     threads = {}
     for skv in (2048, 2049):
         q, k, v = attention_inputs(1, 1, 1, 1, skv, 128, torch.float32, seed=skv)
         check_attention(ma, ca, q, k, v)
-        records = ma._ggml_runtime.metal_dispatch_records()
+        records = ma._metal_emu.metal_dispatch_records()
         threads[skv] = {tuple(r["threads"]) for r in records if r["kernel"] == "kernel_flash_attn_ext_vec_f32_dk128_dv128"}
     assert threads == {2048: {(32, 1, 1)}, 2049: {(32, 2, 1)}}, threads
 
@@ -141,7 +141,7 @@ def test_flash_attn_relies_on_lock_step_lane_zero_write(ma):
     default) both are right and bit-identical."""
     q, k, v = attention_inputs(1, 1, 1, 1, 32, 128, torch.float32)
     ref = ma.reference.flash_attn(q.double(), k.double(), v.double())
-    runtime = ma._ggml_runtime
+    runtime = ma._metal_emu
     try:
         runtime.set_lane_schedule(False, lane_zero_convergence=False)
         forward = ma.flash_attn(q, k, v)
@@ -162,7 +162,7 @@ def test_flash_attn_vec_kernel_writes_past_threadgroup_memory(ma, ca):
     q, k, v = attention_inputs(1, 2, 1, 1, 40, 96, torch.float32)
     check_attention(ma, ca, q, k, v)
     overruns = {
-        r["kernel"]: r["threadgroup_overrun"] for r in ma._ggml_runtime.metal_dispatch_records() if r["threadgroup_overrun"]
+        r["kernel"]: r["threadgroup_overrun"] for r in ma._metal_emu.metal_dispatch_records() if r["threadgroup_overrun"]
     }
     assert overruns == {"kernel_flash_attn_ext_vec_f32_dk96_dv96": 256}, overruns
 

@@ -109,8 +109,18 @@ def test_emulated_builds_load_and_carry_no_ggml_cpu(mq, mn, cq):
         assert hasattr(lib, "ggml_backend_metal_init")
         assert not hasattr(lib, "ggml_graph_compute") and not hasattr(lib, "ggml_backend_cpu_reg")
     assert cq.info()["backend"] == "cpu"
-    with pytest.raises(RuntimeError, match="cpu build: it has no Metal dispatch log"):
-        cq.metal_dispatches()
+
+
+def test_instrumentation_only_in_emulated_builds(mq, cq):
+    """The emulator's dispatch log and lane schedules are the emulated build's: the CPU build (what
+    the Hub gets) has none of them, in its API, its modules or its extension."""
+    instrumentation = {"metal_dispatches", "reset_metal_dispatches"}
+    assert instrumentation <= set(mq.__all__) and all(hasattr(mq, n) for n in instrumentation)
+    assert hasattr(mq, "_metal_emu") and hasattr(mq._metal_emu, "set_lane_schedule")
+    assert not instrumentation & set(cq.__all__) and not any(hasattr(cq, n) for n in instrumentation)
+    assert not hasattr(cq, "_metal_emu")
+    extension = getattr(cq._ops, cq._ops.ops.name)
+    assert [n for n in dir(extension) if n.startswith("metal_")] == []
 
 
 def test_dispatches_count_threadgroups_and_reset(mq, cq):
@@ -121,7 +131,7 @@ def test_dispatches_count_threadgroups_and_reset(mq, cq):
     assert list(first) == ["kernel_mul_mv_q4_0_f32"] and first["kernel_mul_mv_q4_0_f32"] > 0
     mq.mul_mat_vec(blocks, torch.randn(1, K), t, N)
     assert mq.metal_dispatches()["kernel_mul_mv_q4_0_f32"] == 2 * first["kernel_mul_mv_q4_0_f32"]
-    records = mq._ggml_runtime.metal_dispatch_records()
+    records = mq._metal_emu.metal_dispatch_records()
     assert [r["kernel"] for r in records] == ["kernel_mul_mv_q4_0_f32"] * 2
     mq.reset_metal_dispatches()
     assert mq.metal_dispatches() == {}

@@ -4,51 +4,24 @@ import info, same_device`."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from . import _ops
 
 _extension = getattr(_ops, _ops.ops.name)  # the compiled module: the ops' namespace is its name
+# "cpu", or "metal-emu": the emulated-Metal build (build-metal-emu/), which alone carries _metal_emu.py
+BACKEND = _extension.backend()
 
 
 def info() -> dict[str, str]:
     """Which ggml runtime this build loaded: its backend ("cpu", or "metal-emu": upstream's Metal
     backend on the emulated device), CPU level (CPU builds), library path, ggml version and commit."""
     return {
-        "backend": _extension.backend(),
+        "backend": BACKEND,
         "cpu_variant": _extension.cpu_variant(),
         "runtime": _extension.runtime_path(),
         "ggml": _extension.ggml_version(),
     }
-
-
-def metal_dispatches() -> dict[str, int]:
-    """Metal builds: {kernel name: threadgroups dispatched} since the build was loaded or
-    reset_metal_dispatches() last ran, as upstream's host code encoded them (e.g.
-    {"kernel_mul_mv_ext_q4_K_f32_r1_4": 12}). A CPU build raises RuntimeError."""
-    return json.loads(_extension.metal_threadgroups_json())
-
-
-def metal_dispatch_records() -> list[dict]:
-    """Metal builds: every dispatch since the last reset (the first 20000): kernel, pipeline,
-    function constants, grid, threads per threadgroup, threadgroup memory, bindings."""
-    return json.loads(_extension.metal_dispatches_json())
-
-
-def reset_metal_dispatches() -> None:
-    """Metal builds: start metal_dispatches() from zero."""
-    _extension.metal_reset_dispatches()
-
-
-def set_lane_schedule(reverse: bool, lane_zero_convergence: bool = True) -> None:
-    """Metal emulation: the order in which the lanes of a SIMD group run between two rendezvous
-    points (forward or reverse). Kernels that are correct on a GPU give bit-identical results in
-    both; tests run each op under both. lane_zero_convergence=False drops the rendezvous the
-    emulator puts around `if (tiisg == 0)` branches (a GPU's lock-step gives them for free), to
-    show the kernels that rely on it."""
-    _extension.metal_set_lane_schedule(int(bool(reverse)) | (0 if lane_zero_convergence else 2))
 
 
 def same_device(op: str, **tensors: torch.Tensor | None) -> None:

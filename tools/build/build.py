@@ -1,18 +1,19 @@
 """Build packages/<name>/ into packages/<name>/build/<variant>/ the way kernel-builder would.
 
-Reads the package's build.toml, compiles the torch binding, the backend sources and the shared glue
-in common/ against the torch of the running interpreter, links them against nothing of ggml's (the
-extension loads ggml's runtime, tools/build/ggml_runtime.py, at first use), checks the ABI and lays
-out the variant folder that `kernels` loads:
+Reads the package's build.toml and ggml-build.toml (package_spec.py), compiles the torch binding, the
+backend sources and the shared glue in common/ against the torch of the running interpreter, links
+them against nothing of ggml's (the extension loads ggml's runtime, tools/build/ggml_runtime.py, at
+first use), checks the ABI and lays out the variant folder that `kernels` loads:
 
     __init__.py ... (torch-ext/<py_name>/*)   _ops.py   metadata.json   _<id>.abi3.so
     _ggml_runtime.py (common/python: Python glue every package shares)
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
     LICENSE (the repo's, MIT) and LICENSE.ggml (llama.cpp's, from the pinned sources: the binaries contain ggml)
 
-A package whose build.toml has a `metal` kernel entry also gets build-metal-emu/<variant>/: the same
-Python API on CPU tensors, its ops run by upstream's Metal backend on the emulated device
-(libggml-kernels-metal-emu.so beside the extension instead of the CPU runtimes; never uploaded).
+A package whose build.toml has a `metal` kernel entry (`emulated = true` in ggml-build.toml) also gets
+build-metal-emu/<variant>/: the same Python API on CPU tensors, its ops run by upstream's Metal backend
+on the emulated device (libggml-kernels-metal-emu.so beside the extension instead of the CPU runtimes,
+and the emulator's instrumentation, _metal_emu.py; never uploaded).
 
     python -m tools.build                      # every package
     python -m tools.build ggml-quantization    # one package
@@ -27,14 +28,15 @@ import os
 import shutil
 import sys
 import sysconfig
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools import REPO
 
-from . import ggml_runtime, metal_runtime, sanitize, upstream
+from . import ggml_runtime, metal_runtime, package_spec, sanitize, upstream
 from . import ninja_build as ninja
+from .package_spec import PackageSpec
 
 COMMON = REPO / "common"
 LICENSE = REPO / "LICENSE"
@@ -49,15 +51,21 @@ class Backend:
     folder: str  # packages/<name>/<folder>/<variant>/
     tag: str  # in the extension id: _<py_name>_<tag>_<hash>
     sources: tuple[str, ...]  # its part of common/
+    python: tuple[str, ...]  # its Python glue in common/, beside the shared common/python/*.py
     defines: tuple[str, ...]
     dispatch_key: str  # torch dispatch key of its ops' tensors
+    ggml: tuple[str, ...]  # the ggml runtime its loader opens: ggml-build.toml's `ggml` must say so
+    libraries: Callable[[Path], list[Path]]  # that runtime's libraries in the runtime folder
+    emulated: bool  # ggml-build.toml's `emulated` its kernels must have
 
 
 BACKENDS = {
-    "cpu": Backend("build", "cpu", ("cpu/cpu_backend.cpp",), (), "CPU"),
-    # upstream's Metal backend on the emulated device: CPU tensors
-    "metal": Backend("build-metal-emu", "metal_emu", ("metal/metal_backend.cpp",),
-                     ("-DGGML_KERNELS_BACKEND_METAL=1",), "CPU"),
+    "cpu": Backend("build", "cpu", ("cpu/cpu_backend.cpp",), (), (), "CPU", ("ggml-base", "ggml-cpu"),
+                   ggml_runtime.libraries, False),
+    # upstream's Metal backend on the emulated device: CPU tensors, and the emulator's instrumentation
+    "metal": Backend("build-metal-emu", "metal_emu", ("metal/metal_backend.cpp",), ("metal/_metal_emu.py",),
+                     ("-DGGML_KERNELS_BACKEND_METAL=1",), "CPU", ("ggml-base", "ggml-metal"),
+                     lambda runtime: [runtime / metal_runtime.LIBRARY], True),
 }
 CXXFLAGS = [
     # -fopenmp: at::parallel_for is inline and uses OpenMP pragmas; without it, it runs serially.
@@ -70,7 +78,7 @@ PYTHON_ABI = "3.9"
 
 
 def packages() -> list[str]:
-    return sorted(p.name for p in (REPO / "packages").iterdir() if (p / "build.toml").exists())
+    return sorted(p.name for p in (REPO / "packages").iterdir() if package_spec.is_package(p))
 
 
 def torch_variant() -> str:
@@ -92,36 +100,48 @@ def _hash_files(files, extra: str) -> str:
 def build_package(name: str, jobs: int | None = None, check_abi: bool = True) -> list[Path]:
     """Every backend build of a package (build/ and, with a metal entry, build-metal-emu/)."""
     pkg = REPO / "packages" / name
-    with open(pkg / "build.toml", "rb") as f:
-        spec = tomllib.load(f)
-    if "cpu" not in spec["general"].get("backends", []) or not _kernels(spec, "cpu"):
+    spec = package_spec.load(pkg)
+    if "cpu" not in spec.general.get("backends", []) or not spec.kernels_of("cpu"):
         raise ValueError(f"{name}: build.toml declares no cpu backend")
+    check_backends(spec)
     sanitize.refuse_checkout(REPO)
     runtime = ggml_runtime.build(jobs)
-    return [_build_backend(pkg, spec, backend, runtime, jobs, check_abi)
-            for backend in BACKENDS if _kernels(spec, backend)]
+    return [_build_backend(spec, backend, runtime, jobs, check_abi)
+            for backend in BACKENDS if spec.kernels_of(backend)]
 
 
-def _kernels(spec: dict, backend: str) -> list[dict]:
-    return [k for k in spec.get("kernel", {}).values() if k.get("backend") == backend]
+def check_backends(spec: PackageSpec) -> None:
+    """Every kernel's backend is one built here, with the runtime and build kind ggml-build.toml states."""
+    where = spec.folder / package_spec.GGML_BUILD_TOML
+    for k in spec.kernels:
+        kind = BACKENDS.get(k.backend)
+        if kind is None:
+            raise ValueError(f"{spec.folder / package_spec.BUILD_TOML}: [kernel.{k.name}]: backend {k.backend!r} is "
+                             f"not built here (only {', '.join(BACKENDS)})")
+        if k.ggml != kind.ggml:
+            raise ValueError(f"{where}: [kernel.{k.name}]: ggml = {list(k.ggml)}, but a {k.backend} extension "
+                             f"loads {list(kind.ggml)}")
+        if k.emulated != kind.emulated:
+            raise ValueError(f"{where}: [kernel.{k.name}]: emulated = {str(k.emulated).lower()}: the {k.backend} "
+                             f"kernels are built here only as {'the emulated build' if kind.emulated else 'native code'} "
+                             f"({kind.folder}/), emulated = {str(kind.emulated).lower()}")
 
 
-def _runtime_libraries(backend: str, runtime: Path) -> list[Path]:
-    return ggml_runtime.libraries(runtime) if backend == "cpu" else [runtime / metal_runtime.LIBRARY]
-
-
-def _build_backend(pkg: Path, spec: dict, backend: str, runtime: Path, jobs: int | None, check_abi: bool) -> Path:
+def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | None, check_abi: bool) -> Path:
     import torch
     from torch.utils import cpp_extension
 
     kind = BACKENDS[backend]
-    kernels = _kernels(spec, backend)
+    kernels = spec.kernels_of(backend)
+    pkg = spec.folder
     py_name = pkg.name.replace("-", "_")
     tree = upstream.ggml_tree()
-    sources = [pkg / s for s in spec["torch"]["src"]]
-    sources += list(dict.fromkeys(pkg / s for k in kernels for s in k["src"]))
+    sources = [pkg / s for s in spec.torch["src"]]
+    sources += list(dict.fromkeys(pkg / s for k in kernels for s in k.src))
     sources += [COMMON / s for s in (*COMMON_SOURCES, *kind.sources)]
-    headers = [p for p in sources if p.suffix == ".h"] + sorted(COMMON.glob("*.h"))
+    include_dirs = list(dict.fromkeys(pkg / d for k in kernels for d in k.include))
+    headers = [p for p in sources if p.suffix == ".h"] + [h for d in include_dirs for h in sorted(d.glob("*.h"))]
+    headers = list(dict.fromkeys(headers)) + sorted(COMMON.glob("*.h"))
     headers += [COMMON / "metal" / "device" / "metal_emu_api.h"]
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
 
@@ -132,7 +152,7 @@ def _build_backend(pkg: Path, spec: dict, backend: str, runtime: Path, jobs: int
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
                  f"-I{pkg / 'torch-ext'}"]
-    includes += [f"-I{pkg / d}" for k in kernels for d in k.get("include", [])]
+    includes += [f"-I{d}" for d in include_dirs]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = CXXFLAGS + sanitize.compile_flags() + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     flags += [f"-DTORCH_EXTENSION_NAME={ext_id}", f"-DGGML_KERNELS_DISPATCH_KEY={kind.dispatch_key}"]
@@ -161,9 +181,10 @@ def _build_backend(pkg: Path, spec: dict, backend: str, runtime: Path, jobs: int
     ninja.run(work, jobs)
 
     out = pkg / kind.folder / variant
-    _assemble(out, pkg / "torch-ext" / py_name, so, _runtime_libraries(backend, runtime), ext_id, spec["general"])
-    for shared in sorted((COMMON / "python").glob("*.py")):  # Python glue shared by every package
-        _copy_if_changed(shared, out / shared.name)
+    glue = python_glue(kind)
+    _assemble(out, pkg / "torch-ext" / py_name, so, kind.libraries(runtime), glue, ext_id, spec.general)
+    for module in glue:
+        _copy_if_changed(module, out / module.name)
     if check_abi:
         check_binaries(out)
     return out
@@ -177,10 +198,17 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_id: str, general: dict) -> None:
+def python_glue(kind: Backend) -> list[Path]:
+    """The Python modules of common/ a build of this kind carries: those every package shares
+    (common/python/) and the backend's own (the emulator's instrumentation in emulated builds only)."""
+    return sorted((COMMON / "python").glob("*.py")) + [COMMON / p for p in kind.python]
+
+
+def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue: list[Path], ext_id: str,
+              general: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json", LICENSE.name, UPSTREAM_LICENSE}
-    wanted |= {p.name for p in (COMMON / "python").glob("*.py")}
+    wanted |= {p.name for p in glue}
     for f in sorted(py_src.rglob("*.py")):
         rel = f.relative_to(py_src)
         wanted.add(rel.parts[0])
@@ -204,8 +232,8 @@ def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], ext_i
     metadata = {
         "name": general["name"],
         "id": ext_id,
-        "version": general.get("version", 1),
-        "license": general.get("license", "MIT"),
+        "version": general["version"],
+        "license": general["license"],
         "upstream": general.get("upstream"),
         "python-depends": general.get("python-depends", []),
         "backend": {"type": "cpu"},
@@ -218,11 +246,14 @@ def _write_if_changed(path: Path, text: str) -> None:
         path.write_text(text)
 
 
-def check_binaries(variant_dir: Path) -> None:
-    """kernel-abi-check's rules: manylinux_2_28 symbols, Python abi3 >= 3.9."""
+def check_binaries(variant_dir: Path, required: bool = False) -> None:
+    """kernel-abi-check's rules: manylinux_2_28 symbols, Python abi3 >= 3.9. Without the package
+    installed, says so and checks nothing, or (required) raises."""
     try:
         import kernel_abi_check
     except ImportError:
+        if required:
+            raise RuntimeError("kernel-abi-check is not installed: pip install kernel-abi-check") from None
         print("[build] kernel-abi-check not installed; ABI not checked", file=sys.stderr)
         return
     problems = []

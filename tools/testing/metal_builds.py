@@ -32,7 +32,7 @@ def both_schedules(module, fn, *args, overruns: frozenset[str] = frozenset(), **
     and the kernels dispatched ({name: threadgroups}, one schedule's). No dispatch may write past
     its threadgroup memory but those of kernels whose names start with one of `overruns`
     (upstream findings)."""
-    runtime = module._ggml_runtime
+    runtime = module._metal_emu
     results = []
     try:
         for reverse in (False, True):

@@ -10,7 +10,7 @@
   rotate_half form) on its own cos / sin tables, q and k in one call; `layers.RotaryPosEmb` is the
   kernels-library layer for the `rotary_pos_emb` function kernel transformers maps.
 - `kv_write(keys, values, k, v, position)`: a key/value cache append in place, both in one call.
-- `info()`, and on a Metal build `metal_dispatches()` / `reset_metal_dispatches()`: the kernels
+- `info()`, and on the emulated-Metal build `metal_dispatches()` / `reset_metal_dispatches()`: the kernels
   upstream's Metal host code dispatched.
 
 A query whose keys are all masked (left padding) gets zeros, never NaN.
@@ -22,13 +22,19 @@ import torch
 
 from . import _checks, layers, reference
 from ._checks import MAX_HEAD_DIM, METAL_HEAD_DIMS, SUPPORTED_DTYPES
-from ._ggml_runtime import info, metal_dispatches, reset_metal_dispatches, same_device
+from ._ggml_runtime import BACKEND, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
     "MAX_HEAD_DIM", "METAL_HEAD_DIMS", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward",
-    "info", "kv_write", "layers", "metal_dispatches", "reference", "reset_metal_dispatches", "supports_flash_attn",
+    "info", "kv_write", "layers", "reference", "supports_flash_attn",
 ]
+
+if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+    from ._metal_emu import metal_dispatches, reset_metal_dispatches
+
+    __all__ += ["metal_dispatches", "reset_metal_dispatches"]
+
 
 def supports_flash_attn(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether this build computes attention for this head dim and dtype: float32/float16/bfloat16

@@ -40,7 +40,7 @@ import torch
 
 from . import _checks, layers, reference
 from ._checks import HEAD_DIMS
-from ._ggml_runtime import info, metal_dispatches, reset_metal_dispatches, same_device
+from ._ggml_runtime import BACKEND, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -55,10 +55,14 @@ __all__ = [
     "info",
     "l2_norm",
     "layers",
-    "metal_dispatches",
     "reference",
-    "reset_metal_dispatches",
 ]
+
+if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+    from ._metal_emu import metal_dispatches, reset_metal_dispatches
+
+    __all__ += ["metal_dispatches", "reset_metal_dispatches"]
+
 
 # transformers' (and FLA's) l2norm epsilon; gated_delta_net(l2_normalize_qk=True) uses it.
 L2_EPS = 1e-6

@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import check_dtype, info, metal_dispatches, reset_metal_dispatches, same_device
+from ._ggml_runtime import BACKEND, check_dtype, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -21,12 +21,16 @@ __all__ = [
     "info",
     "l2_norm",
     "layers",
-    "metal_dispatches",
     "reference",
-    "reset_metal_dispatches",
     "rms_norm",
     "rms_norm_gated",
 ]
+
+if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+    from ._metal_emu import metal_dispatches, reset_metal_dispatches
+
+    __all__ += ["metal_dispatches", "reset_metal_dispatches"]
+
 
 L2_NORM_MODES = ("clamp", "rsqrt")
 _MODE_ERROR = ('mode must be "clamp" (x / max(||x||, eps), ggml\'s l2_norm) or "rsqrt" (x / sqrt(||x||^2 + eps), '

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, layers, reference
-from ._ggml_runtime import info, metal_dispatches, reset_metal_dispatches, same_device
+from ._ggml_runtime import BACKEND, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
     IMATRIX_TYPES,
@@ -40,7 +40,6 @@ __all__ = [
     "get_rows",
     "info",
     "layers",
-    "metal_dispatches",
     "mul_mat",
     "mul_mat_group",
     "mul_mat_id",
@@ -50,13 +49,18 @@ __all__ = [
     "repack",
     "repacked_type",
     "repacked_types",
-    "reset_metal_dispatches",
     "row_bytes",
     "type_id",
     "type_info",
     "type_name",
     "unrepack",
 ]
+
+if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+    from ._metal_emu import metal_dispatches, reset_metal_dispatches
+
+    __all__ += ["metal_dispatches", "reset_metal_dispatches"]
+
 
 # Every storage type has a ggml-cpu dot product in the pinned ggml, so every one stays packed.
 GEMV_TYPES: frozenset[int] = STORAGE_TYPES

@@ -19,20 +19,22 @@ import operator
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import check_dtype, dtype_name, info, metal_dispatches, reset_metal_dispatches
+from ._ggml_runtime import BACKEND, check_dtype, dtype_name, info
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
     "info",
     "layers",
-    "metal_dispatches",
     "reference",
-    "reset_metal_dispatches",
     "softmax_top_k",
     "top_k",
     "top_k_ggml",
 ]
 
+if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+    from ._metal_emu import metal_dispatches, reset_metal_dispatches
+
+    __all__ += ["metal_dispatches", "reset_metal_dispatches"]
 
 
 def _k(k) -> int:
