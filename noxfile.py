@@ -126,6 +126,14 @@ def sanitize(session: nox.Session) -> None:
     session.run("python", "-m", "tools.build.sanitize", *session.posargs, env=_env(session))
 
 
+@nox.session
+def publish(session: nox.Session) -> None:
+    """Check the packages' build/ variants (kernel-abi-check, metadata) and upload them to the Hub
+    (tools/publish.py; run `nox -s build` first): -- [PACKAGE ...] [--dry-run | --to-cache DIR]."""
+    session.install(*BUILD_DEPS, *[d for d in TEST_DEPS if d.startswith("kernels==")])
+    session.run("python", "-m", "tools.publish", *session.posargs, env=_env(session))
+
+
 LINT_DEPS = ["ruff==0.17.6", "clang-format==23.1.5"]
 
 

@@ -5,6 +5,7 @@ modules (`python -m tools.build ggml-attn`); pytest finds them through pyproject
     testing/  what tests share: loading our builds as users do, the llama.cpp ggml oracle (ctypes)
     bench/    whole-model benchmarks, A/B runs, the demo, tables of the packages' benchmarks
     models/   GGUF model files for tests and benchmarks: generated (make_gguf) and downloaded
+    publish.py  the packages' build/ variants to the Hugging Face Hub (docs/publishing.md)
 """
 
 from pathlib import Path
