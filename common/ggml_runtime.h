@@ -49,6 +49,7 @@ namespace ggml_kernels {
   X(ggml_backend_tensor_get) X(ggml_backend_tensor_alloc) X(ggml_backend_view_init)                \
   X(ggml_backend_buffer_get_base) X(ggml_backend_buffer_get_size) X(ggml_backend_buffer_free)      \
   X(ggml_backend_buft_get_alignment) X(ggml_backend_buft_get_alloc_size)                           \
+  X(ggml_backend_buft_get_max_size)                                                                \
   X(ggml_backend_get_default_buffer_type) X(ggml_backend_supports_op) X(ggml_backend_graph_compute) \
   X(ggml_backend_name) X(ggml_sub) X(ggml_is_contiguous)
 #define GGML_KERNELS_CPU_FUNCTIONS(X)                                                              \

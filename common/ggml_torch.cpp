@@ -13,10 +13,20 @@ namespace ggml_kernels {
 // ---------------------------------------------------------------------------------------------
 // checks
 
+void check_size(at::IntArrayRef sizes, at::ScalarType dtype, const char* name) {
+  double bytes = static_cast<double>(c10::elementSize(dtype));  // exact up to 2^53, far above
+  for (const int64_t n : sizes) bytes *= static_cast<double>(n);
+  TORCH_CHECK_VALUE(bytes <= static_cast<double>(kMaxTensorBytes), name, " of shape ", sizes,
+                    " and dtype ", dtype, " would take ", bytes / (1 << 30),
+                    " GiB; ggml-kernels takes tensors of at most ", kMaxTensorBytes >> 30,
+                    " GiB (2^35 bytes), an expanded (stride-0) dim counted in full");
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " is required, got None");
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU for this backend, got ",
                     t.device());
+  check_size(t.sizes(), t.scalar_type(), name);
 }
 
 void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed,

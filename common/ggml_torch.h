@@ -17,6 +17,15 @@
 namespace ggml_kernels {
 
 // ---- argument checks (TORCH_CHECK_* map to TypeError / ValueError / IndexError in Python) ----
+
+// The largest tensor an op reads or makes: numel * element size, strides ignored (an expand()ed,
+// stride-0 tensor counts at its full size, as the op's output and any copy of it would take that
+// much). Checked before any copy or allocation, so a request beyond it is a ValueError, never an
+// allocator failure or a half-made copy.
+inline constexpr int64_t kMaxTensorBytes = int64_t{1} << 35;  // 32 GiB
+// ValueError naming `name` if a tensor of `sizes` and `dtype` would take more than kMaxTensorBytes.
+void check_size(at::IntArrayRef sizes, at::ScalarType dtype, const char* name);
+// t defined and on the CPU, within kMaxTensorBytes (check_size): every op input goes through it.
 void check_cpu(const at::Tensor& t, const char* name);
 void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed,
                  const char* name);
@@ -53,6 +62,9 @@ struct GraphMemory {
   // CPU: intermediate results of up to this many bytes in all come from a per-thread scratch
   // buffer (one Graph per thread at a time), bigger ones from torch tensors kept here.
   static constexpr size_t kScratchBytes = size_t{1} << 16;
+  // The most memory a backend keeps between calls for reuse (the Metal device buffer, a ggml-cpu
+  // work buffer): a call that needs more gets it for that call only, freed when it returns.
+  static constexpr size_t kKeptBytes = size_t{1} << 26;  // 64 MiB
   size_t scratch_used = 0;
   std::vector<at::Tensor> keep_alive;
 };

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "ggml_runtime.h"
+#include "ggml_torch.h"
 
 #define GGML_KERNELS_CONCAT_(a, b) a##b
 #define GGML_KERNELS_CONCAT(a, b) GGML_KERNELS_CONCAT_(a, b)
@@ -53,6 +54,9 @@ inline PyObject* py_ggml_version(PyObject*, PyObject*) {
   });
 }
 inline PyObject* py_backend(PyObject*, PyObject*) { return str_result(backend_name()); }
+inline PyObject* py_max_tensor_bytes(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(kMaxTensorBytes);
+}
 
 #ifdef GGML_KERNELS_BACKEND_METAL
 // The emulated-Metal build's instrumentation: the dispatch log of our device layer and the
@@ -89,6 +93,8 @@ inline PyMethodDef kMethods[] = {
     {"runtime_path", py_runtime_path, METH_NOARGS, "path of the loaded ggml runtime library"},
     {"ggml_version", py_ggml_version, METH_NOARGS, "ggml version and commit"},
     {"backend", py_backend, METH_NOARGS, "the backend this build runs ops on"},
+    {"max_tensor_bytes", py_max_tensor_bytes, METH_NOARGS,
+     "the largest tensor (numel * element size) an op reads or makes"},
 #ifdef GGML_KERNELS_BACKEND_METAL
     {"metal_threadgroups_json", py_metal_threadgroups_json, METH_NOARGS,
      "{kernel: threadgroups dispatched} since load or the last reset, as JSON"},

@@ -78,7 +78,7 @@ backend::Loaded backend::load(GgmlApi& api) {
 
 namespace {
 
-// A ggml threadpool with its work buffer.
+// A ggml threadpool with its work buffer (kept for the next graph up to GraphMemory::kKeptBytes).
 struct Pool {
   ggml_threadpool* threadpool = nullptr;
   int n_threads = 0;
@@ -104,6 +104,10 @@ struct Pool {
     }
     plan.work_data = work.get();
     const ggml_status status = G.ggml_graph_compute(graph, &plan);
+    if (work_size > GraphMemory::kKeptBytes) {  // a big graph's work buffer is not kept
+      work.reset();
+      work_size = 0;
+    }
     TORCH_CHECK(status == GGML_STATUS_SUCCESS,
                 "ggml-kernels: ggml_graph_compute failed with status ", static_cast<int>(status));
   }

@@ -6,7 +6,10 @@
 // device runs the dispatches on the CPU and whose buffers are not host memory: a graph's host
 // leaves are uploaded into one Metal buffer, its other nodes get room there, and its results are
 // read back into the host memory they were bound to. (A build on torch's MPS stream will bind the
-// tensors' own Metal buffers instead of copying; the rest stays.)
+// tensors' own Metal buffers instead of copying; the rest stays.) That buffer is kept for the next
+// graph up to GraphMemory::kKeptBytes; a bigger one is freed when its call returns, so a large call
+// leaves no device memory behind. A graph needing more than the device's largest buffer is a
+// ValueError before anything is copied.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -31,6 +34,7 @@ struct Device {
   ggml_backend_buffer_type_t buft = nullptr;
   ggml_backend_buffer_t buffer = nullptr;  // reused by every graph, grown when one needs more
   size_t alignment = 0;
+  size_t max_size = 0;  // the largest buffer the device allocates
 };
 
 Device& device() {
@@ -41,6 +45,7 @@ Device& device() {
     TORCH_CHECK(created->backend != nullptr, "ggml-kernels: ggml_backend_metal_init() failed");
     created->buft = G.ggml_backend_get_default_buffer_type(created->backend);
     created->alignment = G.ggml_backend_buft_get_alignment(created->buft);
+    created->max_size = G.ggml_backend_buft_get_max_size(created->buft);
     return created;
   }();
   return *dev;
@@ -95,6 +100,10 @@ void make_dense(ggml_tensor* t) {
 void read_back(const HostTensor& h) {
   const auto& G = ggml();
   ggml_tensor* t = h.t;
+  if (std::equal(std::begin(h.nb), std::end(h.nb), std::begin(t->nb))) {  // dense on the host too
+    G.ggml_backend_tensor_get(t, h.host, 0, G.ggml_nbytes(t));
+    return;
+  }
   std::vector<char> dense(G.ggml_nbytes(t));
   G.ggml_backend_tensor_get(t, dense.data(), 0, dense.size());
   const size_t row = t->nb[1];
@@ -122,14 +131,32 @@ std::vector<size_t> place(Device& dev, const std::vector<ggml_tensor*>& order, s
   return offsets;
 }
 
+void release(Device& dev) {
+  if (dev.buffer != nullptr) ggml().ggml_backend_buffer_free(dev.buffer);
+  dev.buffer = nullptr;
+}
+
 void reserve(Device& dev, size_t bytes) {
   const auto& G = ggml();
+  TORCH_CHECK_VALUE(bytes <= dev.max_size, "ggml-metal: this call needs ", bytes,
+                    " bytes of device memory for its tensors; the device's buffers hold at most ",
+                    dev.max_size);
   if (dev.buffer != nullptr && G.ggml_backend_buffer_get_size(dev.buffer) >= bytes) return;
-  if (dev.buffer != nullptr) G.ggml_backend_buffer_free(dev.buffer);
+  release(dev);
   dev.buffer = G.ggml_backend_buft_alloc_buffer(dev.buft, std::max(bytes, size_t{1} << 20));
   TORCH_CHECK(dev.buffer != nullptr, "ggml-kernels: could not allocate a ", bytes,
               "-byte Metal buffer");
 }
+
+// Frees the device buffer when the call returns (or throws) if it is bigger than what is kept.
+struct ReleaseIfBig {
+  Device& dev;
+  ~ReleaseIfBig() {
+    if (dev.buffer != nullptr &&
+        ggml().ggml_backend_buffer_get_size(dev.buffer) > GraphMemory::kKeptBytes)
+      release(dev);
+  }
+};
 
 // Puts every tensor back as the graph built it (host pointers, no buffer), so that a later
 // compute of the same Graph starts from host memory again.
@@ -181,6 +208,7 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
   }
   size_t total = 0;
   const std::vector<size_t> offsets = place(dev, order, total);
+  ReleaseIfBig release_if_big{dev};
   reserve(dev, total);
   char* base = static_cast<char*>(G.ggml_backend_buffer_get_base(dev.buffer));
   for (size_t i = 0; i < order.size(); ++i) {

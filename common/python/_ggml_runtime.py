@@ -46,6 +46,21 @@ def check_dtype(t: torch.Tensor, allowed: tuple[torch.dtype, ...], name: str) ->
         raise TypeError(f"{name} must have dtype {want}; got {dtype_name(t.dtype)}")
 
 
+# The largest tensor an op reads or makes, numel * element size with expanded (stride-0) dims counted in
+# full (kMaxTensorBytes in common/ggml_torch.h): above it the kernels raise ValueError before any copy.
+MAX_TENSOR_BYTES: int = _extension.max_tensor_bytes()
+
+
+def check_size(t: torch.Tensor, name: str) -> None:
+    """The kernels' size check, for a wrapper about to reshape `t` (a reshape of an expanded tensor
+    copies it whole): ValueError, with the kernels' words, if it is bigger than MAX_TENSOR_BYTES."""
+    size = t.numel() * t.element_size()
+    if size > MAX_TENSOR_BYTES:
+        raise ValueError(f"{name} of shape {list(t.shape)} and dtype {dtype_name(t.dtype)} would take "
+                         f"{size / 2**30:g} GiB; ggml-kernels takes tensors of at most {MAX_TENSOR_BYTES >> 30} "
+                         "GiB (2^35 bytes), an expanded (stride-0) dim counted in full")
+
+
 def check_dim(t: torch.Tensor, dim: int, name: str) -> None:
     if t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {list(t.shape)}")

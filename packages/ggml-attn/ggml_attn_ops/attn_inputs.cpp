@@ -31,6 +31,7 @@ void check_cache_rows(const at::Tensor& buf, const at::Tensor& x, int64_t positi
                       const char* buf_name, const char* x_name) {
   check_cpu(buf, buf_name);
   check_cpu(x, x_name);
+  check_dtype(buf, {at::kFloat, at::kHalf, at::kBFloat16}, buf_name);
   TORCH_CHECK_TYPE(buf.scalar_type() == x.scalar_type(), x_name, " has dtype ", x.scalar_type(),
                    " but ", buf_name, " holds ", buf.scalar_type());
   TORCH_CHECK_VALUE(buf.dim() >= 2 && x.dim() == buf.dim(), x_name, " ", x.sizes(), " and ",
@@ -85,6 +86,7 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
                     dv, " is not supported (1..", kMaxHeadDim, ")");
   TORCH_CHECK_VALUE(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0,
                     "scale must be finite and softcap finite and >= 0");
+  check_size({b, q.size(2), hq, dv}, at::kFloat, "the attention output");
 }
 
 // The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous.
@@ -106,6 +108,7 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
             (mm.size(0) == 1 || mm.size(0) == b),
         "mask of shape ", mask->sizes(), " does not broadcast to (B, Hq, Sq, Skv) = (", b, ", ", hq,
         ", ", sq, ", ", skv, ")");
+    check_size(mm.sizes(), at::kHalf, "the additive f16 mask");
     if (mm.scalar_type() == at::kBool) {
       m = at::zeros(mm.sizes(), mm.options().dtype(at::kHalf));
       m.masked_fill_(mm.logical_not(), neg_inf);
@@ -116,6 +119,7 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
   // Causal, aligned bottom-right: query i sees keys j <= i + (Skv - Sq). One query sees them all.
   const bool causal_masks_something = causal && sq > 1;
   if (causal_masks_something || (causal && skv < sq)) {
+    if (!m.defined()) check_size({sq, skv}, at::kHalf, "the additive f16 causal mask");
     auto opts = at::TensorOptions().dtype(at::kLong);
     at::Tensor hidden =
         at::arange(skv, opts).unsqueeze(0) > (at::arange(sq, opts).unsqueeze(1) + (skv - sq));

@@ -11,13 +11,14 @@ namespace attn_ops {
 
 constexpr int64_t kMaxHeadDim = 1024;
 
-// q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv): one float dtype, Hq % Hkv == 0.
+// q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv): one float dtype, Hq % Hkv == 0; the
+// float32 output (B, Sq, Hq, Dv) within kMaxTensorBytes.
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale, double softcap);
 
 // The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous,
-// -inf where a key is hidden (the caller's mask and / or causal, aligned bottom-right). Undefined
-// when nothing is masked.
+// -inf where a key is hidden (the caller's mask and / or causal, aligned bottom-right), within
+// kMaxTensorBytes. Undefined when nothing is masked.
 at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int64_t b, int64_t hq,
                          int64_t sq, int64_t skv);
 
@@ -41,8 +42,8 @@ void zero_fully_masked_rows(at::Tensor& out, const at::Tensor& mask, int64_t b, 
 void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                          const at::Tensor& sin);
 
-// kv_write's cache buffers and rows: same dtype and leading dims, the rows in range, apart from
-// the rows they are written to.
+// kv_write's cache buffers and rows: float32, float16 or bfloat16 caches, the rows of the same
+// dtype and leading dims, in range, apart from the rows they are written to.
 void check_kv_write_inputs(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
                            const at::Tensor& v, int64_t position);
 

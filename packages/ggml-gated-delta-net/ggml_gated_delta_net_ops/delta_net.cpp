@@ -150,6 +150,7 @@ DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, co
                       "state must be (batch, value heads, key dim, value dim) = ",
                       shape_str({B, Hv, D, D}), ", got ", state->sizes());
   }
+  check_size({B, Hv, D, D}, at::kFloat, "the state");  // made when none is given
   TORCH_CHECK_VALUE(!scale.has_value() || std::isfinite(*scale), "scale must be finite, got ",
                     *scale);
   if (in_place) {

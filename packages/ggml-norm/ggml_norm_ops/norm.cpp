@@ -167,6 +167,7 @@ at::Tensor norm_ops::rms_norm(const at::Tensor& x, const std::optional<at::Tenso
   const at::ScalarType out_dtype = cast_before_weight
                                        ? at::promote_types(x.scalar_type(), weight->scalar_type())
                                        : x.scalar_type();
+  check_size(x.sizes(), out_dtype, "the output");  // (a promoted dtype may double x's size)
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   if (x.numel() == 0) return out;
 

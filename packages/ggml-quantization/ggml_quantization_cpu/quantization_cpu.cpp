@@ -577,8 +577,7 @@ at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t row
   const ggml_type type = st.type;
   check_out_dtype(dtype);
   check_rows_operand(blocks, type, cols);
-  TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0),
-                    " rows");
+  check_dequantized_rows(blocks, rows, cols);
   check_repacked_rows(blocks, st, "blocks");
   if (rows == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
   if (is_float_type(type))
@@ -595,7 +594,7 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
   check_out_dtype(dtype);
   check_rows_operand(blocks, type, cols);
   check_repacked_rows(blocks, st, "blocks");
-  check_row_indices(indices, blocks.size(0));
+  check_row_indices(indices, blocks.size(0), cols);
   const int64_t n = indices.size(0);
   if (n == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
   const at::Tensor idx = indices.to(at::kLong).contiguous();

@@ -152,8 +152,7 @@ at::Tensor dequantize_metal(const at::Tensor& blocks, int64_t type_id, int64_t r
   const ggml_type type = check_plain_type(type_id);
   check_out_dtype(dtype);
   check_rows_operand(blocks, type, cols);
-  TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0),
-                    " rows");
+  check_dequantized_rows(blocks, rows, cols);
   if (rows == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
   // every row, through Metal's get_rows kernels (they dequantize each type's blocks)
   return gathered_rows(blocks, type, cols, at::arange(rows, blocks.options().dtype(at::kInt)),
@@ -165,7 +164,7 @@ at::Tensor get_rows_metal(const at::Tensor& blocks, const at::Tensor& indices, i
   const ggml_type type = check_plain_type(type_id);
   check_out_dtype(dtype);
   check_rows_operand(blocks, type, cols);
-  check_row_indices(indices, blocks.size(0));
+  check_row_indices(indices, blocks.size(0), cols);
   if (indices.size(0) == 0) return at::empty({0, cols}, blocks.options().dtype(dtype));
   return gathered_rows(blocks, type, cols, indices.to(at::kInt).contiguous(), dtype);
 }

@@ -59,6 +59,7 @@ int64_t check_weight_operand(const at::Tensor& blocks, ggml_type type, int64_t o
   TORCH_CHECK_VALUE(blocks.size(0) == out_features, "out_features=", out_features, " but ", name,
                     " has ", blocks.size(0), " rows");
   check_activations(x, k, blocks, type);
+  check_size(rows_shape(x, out_features), at::kFloat, "the product");
   return k;
 }
 
@@ -67,6 +68,12 @@ void check_rows_operand(const at::Tensor& blocks, ggml_type type, int64_t cols) 
   check_dtype(blocks, {at::kByte}, "blocks");
   check_dim(blocks, 2, "blocks");
   check_packed(blocks, type, cols, "blocks");
+}
+
+void check_dequantized_rows(const at::Tensor& blocks, int64_t rows, int64_t cols) {
+  TORCH_CHECK_VALUE(blocks.size(0) == rows, "rows=", rows, " but blocks has ", blocks.size(0),
+                    " rows");
+  check_size({rows, cols}, at::kFloat, "the dequantized rows");
 }
 
 int64_t check_experts(const at::Tensor& blocks, ggml_type type, int64_t out_features,
@@ -84,14 +91,16 @@ int64_t check_experts(const at::Tensor& blocks, ggml_type type, int64_t out_feat
   check_dim(ids, 2, "ids");
   TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "ids has ", ids.size(0), " rows but x has ",
                     x.size(0), " tokens");
+  check_size({x.size(0), ids.size(1), out_features}, at::kFloat, "the product");
   check_indices(ids, blocks.size(0), "ids (expert indices)");
   return k;
 }
 
-void check_row_indices(const at::Tensor& indices, int64_t rows) {
+void check_row_indices(const at::Tensor& indices, int64_t rows, int64_t cols) {
   check_cpu(indices, "indices");
   check_dtype(indices, {at::kInt, at::kLong}, "indices");
   check_dim(indices, 1, "indices");
+  check_size({indices.size(0), cols}, at::kFloat, "the gathered rows");
   check_indices(indices, rows, "indices");
 }
 

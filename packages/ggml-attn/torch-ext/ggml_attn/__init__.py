@@ -131,7 +131,8 @@ def _rotary_half_fake(q, k, cos, sin):
 def kv_write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
     """Write k (..., n, D) and v (..., n, Dv) into rows [position, position + n) of the cache
     buffers keys (..., capacity, D) and values (..., capacity, Dv), in place (a decode step's append:
-    one call for both, instead of a narrow and a copy_ each). Same dtype, matching leading dims."""
+    one call for both, instead of a narrow and a copy_ each). float32, float16 or bfloat16 caches (others
+    raise TypeError), k / v in the cache's dtype, matching leading dims."""
     ops.kv_write.default(keys, values, k, v, int(position))
 
 

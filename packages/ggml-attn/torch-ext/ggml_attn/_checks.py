@@ -88,6 +88,7 @@ def kv_write(keys, values, k, v, position: int) -> None:
 
 
 def _cache_rows(buf, x, position, buf_name, x_name) -> None:
+    check_dtype(buf, SUPPORTED_DTYPES, buf_name)
     if buf.dtype != x.dtype:
         raise TypeError(f"{x_name} has dtype {dtype_name(x.dtype)} but {buf_name} holds {dtype_name(buf.dtype)}")
     if buf.dim() < 2 or x.dim() != buf.dim():

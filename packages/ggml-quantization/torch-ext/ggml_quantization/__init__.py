@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, layers, reference
-from ._ggml_runtime import BACKEND, info, same_device
+from ._ggml_runtime import BACKEND, check_size, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
     IMATRIX_TYPES,
@@ -72,7 +72,10 @@ QUANTIZE_TYPES: frozenset[int] = STORAGE_TYPES
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x.dim() == 2:
+        return x
+    check_size(x, "x")  # before a reshape that may copy
+    return x.reshape(-1, x.shape[-1])
 
 
 def mul_mat_vec(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._ggml_runtime import check_dim, check_dtype, dtype_name
+from ._ggml_runtime import check_dim, check_dtype, check_size, dtype_name
 from .types import REPACKED, STORAGE_TYPES, TYPE_INFO, GGMLType, TypeInfo
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,6 +189,7 @@ def unrepack(blocks: torch.Tensor, type_id: int) -> None:
 def quantize(x: torch.Tensor, type_id: int, imatrix: torch.Tensor | None, needs_imatrix: bool) -> None:
     """x (rows, cols) float; imatrix float32 (cols,), required when needs_imatrix."""
     info = storage_type(type_id)
+    check_size(x, "x")
     check_dtype(x, _FLOAT, "x")
     check_dim(x, 2, "x")
     cols = x.shape[1]

@@ -19,7 +19,7 @@ import operator
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import BACKEND, check_dtype, dtype_name, info
+from ._ggml_runtime import BACKEND, check_dtype, check_size, dtype_name, info
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -51,7 +51,10 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"logits must be a tensor, got {type(logits).__name__}")
     if logits.dim() == 0:
         raise ValueError("logits must have at least one dim (experts last), got a 0-D tensor")
-    return logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
+    if logits.dim() == 2:
+        return logits
+    check_size(logits, "logits")  # before a reshape that may copy
+    return logits.reshape(-1, logits.shape[-1])
 
 
 def _unflatten(logits: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]):
