@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -50,6 +52,15 @@ bool may_overlap(const at::Tensor& a, const at::Tensor& b);
 // overlap.
 void check_no_overlap(const at::Tensor& written, const char* written_name, const at::Tensor& input,
                       const char* input_name);
+// A float argument of an op (eps, scale, softcap) reaches ggml as a float32: a finite double beyond
+// float32's range would be inf there, and the whole result NaN. Each op's check of such an argument
+// asks fits_float32 and ends its message with kFloat32Range (the Python twins in _ggml_runtime.py
+// say the same words).
+inline bool fits_float32(double value) {
+  return std::isfinite(value) && std::abs(value) <= std::numeric_limits<float>::max();
+}
+inline constexpr const char* kFloat32Range =
+    ", within float32's range (magnitude at most 3.40282e+38: ggml computes in float32)";
 
 ggml_type ggml_type_of(at::ScalarType dtype);
 // GGUF's spelling of a type name ("Q4_K"; ggml itself says "q4_K").

@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 
+from tools.testing.kernel_testing import on_meta
 from tools.testing.metal_builds import both_schedules, build_fixture
 
 ma = build_fixture("ma", "ggml-attn", "build-metal-emu")
@@ -178,12 +179,76 @@ def test_flash_attn_head_dims_without_metal_kernels_raise(ma, ca):
         ma.flash_attn(q, k, torch.randn(1, 1, 8, 128))  # value head dim above the key's
 
 
+def test_head_dim_pairs_without_a_metal_kernel_are_refused_up_front(ma, ca):
+    """Upstream's supports_op lets any value head dim up to the key's through, but its kernels exist for
+    the pairs of METAL_HEAD_DIM_PAIRS only: key 128 with value 64 got past it and failed late, a
+    RuntimeError naming the missing pipeline. Every other pair is a NotImplementedError naming both
+    dims before anything is dispatched (the fake refuses it too), and supports_flash_attn takes both."""
+    pairs = set(ma.METAL_HEAD_DIM_PAIRS)
+    assert ma.METAL_HEAD_DIMS == tuple(sorted({d for d, _ in pairs}))
+    assert not ma.supports_flash_attn(128, value_head_dim=64) and ca.supports_flash_attn(128, value_head_dim=64)
+    assert ma.supports_flash_attn(192, torch.bfloat16, value_head_dim=128) and ma.supports_flash_attn(128)
+    q, k, _ = attention_inputs(1, 2, 1, 1, 8, 128, torch.float32)
+    v = torch.randn(1, 1, 8, 64)
+    assert ca.flash_attn(q, k, v).shape == (1, 2, 1, 64)
+    message = (r"ggml-metal has no kernel for FLASH_ATTN_EXT with key head dim 128 and value head dim 64; its kernels "
+               r"take the key/value head dims 32/32, 40/40, .*, 576/512 \(supports_flash_attn says which\), the CPU "
+               r"build any up to 1024")
+    ma.reset_metal_dispatches()
+    with pytest.raises(NotImplementedError, match=message):
+        ma.flash_attn(q, k, v)
+    with pytest.raises(NotImplementedError, match=message):  # the fake (torch.compile, the meta device)
+        ma.flash_attn(*(on_meta(t) for t in (q, k, v)))
+    refused = [(d, dv) for d in ma.METAL_HEAD_DIMS for dv in ma.METAL_HEAD_DIMS if dv <= d and (d, dv) not in pairs]
+    assert len(refused) == 89
+    for d, dv in refused:
+        assert not ma.supports_flash_attn(d, value_head_dim=dv)
+        with pytest.raises(NotImplementedError, match=f"key head dim {d} and value head dim {dv};"):
+            ma.flash_attn(torch.randn(1, 1, 1, d), torch.randn(1, 1, 2, d), torch.randn(1, 1, 2, dv))
+    assert ma.metal_dispatches() == {}
+
+
+@pytest.mark.parametrize("sq", [1, 24])
+def test_query_held_in_half_and_an_infinite_sink_give_nan_on_metal_only(ma, ca, sq):
+    """Pinned as documented (the package README and card): upstream's Metal kernels hold Q in half, so
+    a float32 query element above 65504 (half's largest) is inf there and that query's output row NaN;
+    a +inf sink makes every row of its head NaN on Metal, where the CPU build gives zeros (the sink
+    takes the whole weight). 65504 itself, a large finite sink and a -inf sink are right on both."""
+    q, k, v = attention_inputs(1, 2, 1, sq, 8, 64, torch.float32, seed=sq)
+    big = q.clone()
+    big[0, 1, 0, 5] = 7e4
+    out, cpu = ma.flash_attn(big, k, v), ca.flash_attn(big, k, v)
+    nan_rows = torch.zeros(1, 2, sq, dtype=torch.bool)
+    nan_rows[0, 1, 0] = True
+    assert torch.isfinite(cpu).all() and torch.equal(out.isnan().all(-1), nan_rows) and not out.isnan().any(-1)[~nan_rows].any()
+    big[0, 1, 0, 5] = 65504.0
+    check_attention(ma, ca, big, k, v)
+    out, cpu = (m.flash_attn(q, k, v, sinks=torch.tensor([0.0, float("inf")])) for m in (ma, ca))
+    assert out[0, 1].isnan().all() and torch.isfinite(out[0, 0]).all()
+    assert torch.equal(cpu[0, 1], torch.zeros_like(cpu[0, 1])) and torch.isfinite(cpu).all()
+    for sink in (1e4, float("-inf")):
+        check_attention(ma, ca, q, k, v, sinks=torch.tensor([0.0, sink]))
+
+
+@pytest.mark.parametrize("d, dv, sq", [(96, 64, 1), (192, 128, 24)])
+def test_head_dim_pairs_with_a_smaller_value_head_dim(ma, ca, d, dv, sq):
+    """The pairs upstream has kernels for with a value head dim below the key's run (vec below 20
+    queries, tiled from 20 on). Key head dim 96 takes 4 lanes per key in the vec kernel: its output
+    scratch zeroing overruns as VEC_OVERRUNS says."""
+    q, k, _ = attention_inputs(1, 2, 1, sq, 40, d, torch.float32, seed=d)
+    v = torch.randn(1, 1, 40, dv, generator=torch.Generator().manual_seed(dv))
+    kernels = check_attention(ma, ca, q, k, v, overruns=VEC_OVERRUNS | {"kernel_flash_attn_ext_vec_f32_dk96_dv64"})
+    assert any(f"_dk{d}_dv{dv}" in kernel for kernel in kernels), kernels
+
+
 @pytest.mark.parametrize(
     "call",
     [
         lambda m: m.flash_attn(torch.randn(1, 2, 1, 64), torch.randn(1, 1, 4, 64).half(), torch.randn(1, 1, 4, 64)),
         lambda m: m.flash_attn(torch.randn(1, 3, 1, 64), torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64)),
         lambda m: m.flash_attn(torch.randn(1, 2, 1, 64), torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64), mask=torch.ones(3, 4, dtype=torch.bool)),
+        lambda m: m.flash_attn(torch.randn(1, 2, 1, 64), torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64), scale=1e300),
+        lambda m: m.flash_attn(torch.randn(1, 2, 1, 64), torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64), softcap=1e39),
         lambda m: m.kv_write(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), 3),
         lambda m: m.apply_rotary(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 3, 7), torch.randn(1, 3, 7)),
     ],

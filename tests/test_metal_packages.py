@@ -553,6 +553,24 @@ def test_gated_delta_net_head_sizes_refused_alike(mg, cg):
             module.ops.gated_delta_net(q, k, v, gate, beta, state, True, None)
 
 
+def test_float_arguments_beyond_float32_refused_alike(mg, cg, mn, cn):
+    """A finite double beyond float32's range is inf once ggml holds it (gated_delta_net's scale=1e300
+    gave an all-NaN output): every float argument of the packages is a ValueError, on both builds."""
+    q, k, v, gate, beta, state = delta_net_inputs(1, 1, 1, 1, 64)
+    x = torch.randn(2, 16)
+    calls = {
+        (mg, cg): [lambda m: m.ops.gated_delta_net(q, k, v, gate, beta, state, True, 1e300),
+                   lambda m: m.l2_norm(x, 1e300), lambda m: m.gated_rms_norm(x, x, torch.ones(16), eps=1e300)],
+        (mn, cn): [lambda m: m.rms_norm(x, eps=1e300), lambda m: m.rms_norm_gated(x, x, torch.ones(16), eps=1e300),
+                   lambda m: m.l2_norm(x, eps=-1e39)],
+    }
+    for modules, package_calls in calls.items():
+        for call in package_calls:
+            for module in modules:
+                with pytest.raises(ValueError, match=r"within float32's range \(magnitude at most 3.40282e\+38"):
+                    call(module)
+
+
 @pytest.mark.parametrize("taps", [4, 2])
 @pytest.mark.parametrize("with_state", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -64,3 +64,14 @@ def check_size(t: torch.Tensor, name: str) -> None:
 def check_dim(t: torch.Tensor, dim: int, name: str) -> None:
     if t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {list(t.shape)}")
+
+
+# A float argument of an op (eps, scale, softcap) reaches ggml as a float32: a finite double beyond its
+# range would be inf there. The kernels' test and words (fits_float32, kFloat32Range in common/ggml_torch.h).
+FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_RANGE = ", within float32's range (magnitude at most 3.40282e+38: ggml computes in float32)"
+
+
+def fits_float32(value: float) -> bool:
+    """Finite, and finite as a float32 too (NaN fails the comparison)."""
+    return abs(value) <= FLOAT32_MAX

@@ -6,7 +6,9 @@
 // for float32, float16 and bfloat16 caches), the mask is ggml's additive f16 one with its batch and
 // head broadcast, the result {Dv, Hq, Sq, B} is torch's (B, Sq, Hq, Dv). Upstream takes its vec
 // kernels below 20 queries (head dims that are multiples of 32) and the tiled simdgroup-matrix ones
-// otherwise; head dims it has no kernel for raise NotImplementedError from its supports_op.
+// otherwise. It has kernels for some (key, value) head dim pairs only (kMetalHeadDims): others
+// raise NotImplementedError before anything is built (its supports_op lets some of them through,
+// whose pipelines then fail to build).
 //
 // rotary_half: transformers' cos / sin tables are not ggml's ROPE (which computes its angles from
 // positions), so the rotation is ggml's element-wise ops on the two halves of each row:
@@ -18,6 +20,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <sstream>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -32,6 +35,29 @@ using namespace attn_ops;
 namespace {
 
 constexpr int64_t kMaxQueries = 65535;  // ggml-metal's flash attention takes ne01 < 65536
+
+// The (key, value) head dims upstream instantiates its flash-attention kernels for, vec and tiled
+// alike (METAL_HEAD_DIM_PAIRS in ggml_attn/_checks.py, which says the same words).
+constexpr std::pair<int64_t, int64_t> kMetalHeadDims[] = {
+    {32, 32},   {40, 40},   {48, 48},   {64, 64},   {72, 72},   {80, 80},   {96, 64},   {96, 96},
+    {112, 112}, {128, 128}, {192, 128}, {192, 192}, {256, 256}, {320, 256}, {512, 512}, {576, 512}};
+
+void check_metal_head_dims(int64_t d, int64_t dv) {
+  const auto pair = std::pair{d, dv};
+  if (std::find(std::begin(kMetalHeadDims), std::end(kMetalHeadDims), pair) !=
+      std::end(kMetalHeadDims))
+    return;
+  std::ostringstream pairs;
+  const char* separator = "";
+  for (const auto& [key, value] : kMetalHeadDims) {
+    pairs << separator << key << "/" << value;
+    separator = ", ";
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false, "ggml-metal has no kernel for FLASH_ATTN_EXT with key head dim ", d,
+      " and value head dim ", dv, "; its kernels take the key/value head dims ", pairs.str(),
+      " (supports_flash_attn says which), the CPU build any up to ", kMaxHeadDim);
+}
 
 // t's rows [at, at + n) of its innermost dim, ggml tensor `x` ({D, ...}) seen through a view.
 ggml_tensor* half_rows(ggml_context* ctx, ggml_tensor* x, int64_t at, int64_t n) {
@@ -89,6 +115,7 @@ at::Tensor flash_attn_metal(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& mask, bool causal, double scale,
                             double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(q, k, v, scale, softcap);
+  check_metal_head_dims(q.size(3), v.size(3));
   TORCH_CHECK_VALUE(q.size(2) <= kMaxQueries, "ggml-metal's flash attention takes at most ",
                     kMaxQueries, " query rows per call, got ", q.size(2));
   const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), skv = k.size(2), dv = v.size(3);

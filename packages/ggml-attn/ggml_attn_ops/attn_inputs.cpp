@@ -84,8 +84,9 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK_VALUE(k.size(3) == d, "query head dim ", d, " != key head dim ", k.size(3));
   TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim && dv >= 1 && dv <= kMaxHeadDim, "head dim ", d, "/",
                     dv, " is not supported (1..", kMaxHeadDim, ")");
-  TORCH_CHECK_VALUE(std::isfinite(scale) && std::isfinite(softcap) && softcap >= 0,
-                    "scale must be finite and softcap finite and >= 0");
+  TORCH_CHECK_VALUE(fits_float32(scale) && fits_float32(softcap) && softcap >= 0,
+                    "scale must be finite and softcap finite and >= 0", kFloat32Range,
+                    ", got scale ", scale, ", softcap ", softcap);
   check_size({b, q.size(2), hq, dv}, at::kFloat, "the attention output");
 }
 

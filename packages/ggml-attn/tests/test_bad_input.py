@@ -56,6 +56,10 @@ def test_bad_sinks_and_softcap(ga):
         ga.flash_attn(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="softcap finite and >= 0"):
         ga.flash_attn(q, k, v, softcap=-1.0)
+    # finite doubles that ggml's float32 holds as inf
+    for kwargs in ({"scale": 1e300}, {"softcap": 1e300}, {"scale": -1e39}):
+        with pytest.raises(ValueError, match=r"within float32's range \(magnitude at most 3.40282e\+38"):
+            ga.flash_attn(q, k, v, **kwargs)
 
 
 def test_device_mismatch(ga):
@@ -162,6 +166,8 @@ FLASH_ATTN_REFUSED = {  # overrides of a good call: q (1, 4, 3, 64), k / v (1, 2
     "empty value dim": dict(v=t(1, 2, 5, 0)),
     "negative softcap": dict(softcap=-1.0),
     "infinite scale": dict(scale=float("inf")),
+    "scale 1e300 (float32: inf)": dict(scale=1e300),
+    "softcap 1e300 (float32: inf)": dict(softcap=1e300),
     "sinks per KV head": dict(sinks=torch.zeros(2)),
     "integer sinks": dict(sinks=torch.zeros(4, dtype=torch.int32)),
     "1-D mask": dict(mask=torch.ones(5, dtype=torch.bool)),

@@ -151,8 +151,8 @@ DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, co
                       shape_str({B, Hv, D, D}), ", got ", state->sizes());
   }
   check_size({B, Hv, D, D}, at::kFloat, "the state");  // made when none is given
-  TORCH_CHECK_VALUE(!scale.has_value() || std::isfinite(*scale), "scale must be finite, got ",
-                    *scale);
+  TORCH_CHECK_VALUE(!scale.has_value() || fits_float32(*scale), "scale must be finite",
+                    kFloat32Range, ", got ", *scale);
   if (in_place) {
     TORCH_CHECK_VALUE(
         has_state && state->transpose(2, 3).is_contiguous(),
@@ -371,11 +371,21 @@ at::Tensor gdn_ops::gated_delta_net_inplace(const at::Tensor& q, const at::Tenso
   return std::get<0>(gated_delta_net_impl(q, k, v, g, beta, state, l2_normalize_qk, scale, true));
 }
 
+namespace {
+
+// The eps of l2_norm and gated_rms_norm, which ggml takes as a float32.
+void check_eps(double eps) {
+  TORCH_CHECK_VALUE(fits_float32(eps) && eps >= 0, "eps must be finite and >= 0", kFloat32Range,
+                    ", got ", eps);
+}
+
+}  // namespace
+
 at::Tensor gdn_ops::l2_norm(const at::Tensor& x, double eps) {
   check_float(x, "x");
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim, got shape ",
                     x.sizes());
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  check_eps(eps);
   const int64_t D = x.size(-1), rows = x.numel() / D;
   const at::Tensor x2 = x.reshape({rows, D}).contiguous();
   at::Tensor out = at::empty({rows, D}, x.options());
@@ -444,7 +454,7 @@ at::Tensor gdn_ops::gated_rms_norm(const at::Tensor& x, const at::Tensor& gate,
   const int64_t D = x.size(-1), rows = x.numel() / D;
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == D, "weight must be (", D, ",), got ",
                     weight.sizes());
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  check_eps(eps);
   const at::Tensor x2 = x.reshape({rows, D}).contiguous(),
                    z2 = gate.reshape({rows, D}).contiguous();
   const at::Tensor w32 = weight.to(at::kFloat).contiguous();

@@ -111,6 +111,31 @@ def test_small_ops_bad_input(gdn):
         gdn.l2_norm(torch.randn(2, 16), -1.0)
 
 
+FLOAT32_RANGE = r", within float32's range \(magnitude at most 3.40282e\+38: ggml computes in float32\), got "
+
+
+@pytest.mark.parametrize("scale", [1e300, -1e300, 3.5e38])
+def test_scale_beyond_float32_is_refused(gdn, scale):
+    """ggml computes in float32: a finite double beyond its range (1e300) became inf there and the
+    output all NaN; it is a ValueError, in place or not."""
+    a = inputs()
+    with pytest.raises(ValueError, match="scale must be finite" + FLOAT32_RANGE):
+        gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=scale)
+    state = a["state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(ValueError, match="scale must be finite" + FLOAT32_RANGE):
+        gdn.gated_delta_net_(a["q"], a["k"], a["v"], a["g"], a["beta"], state, l2_normalize_qk=True, scale=scale)
+    out, _ = gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=1e-3)
+    assert torch.isfinite(out).all()
+
+
+def test_eps_beyond_float32_is_refused(gdn):
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0" + FLOAT32_RANGE + "1e\\+300"):
+        gdn.l2_norm(x, 1e300)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0" + FLOAT32_RANGE):
+        gdn.gated_rms_norm(x, x, torch.ones(16), eps=1e300)
+
+
 # ---- the layer: a cache that cannot belong to it ----
 
 
@@ -219,6 +244,7 @@ GDN_REFUSED = {  # overrides of inputs(): q, k (1, 3, 2, 64), v (1, 3, 4, 64), g
     "3-D state": dict(state=torch.zeros(B, HV, D * D)),
     "infinite scale": dict(scale=float("inf")),
     "NaN scale": dict(scale=float("nan")),
+    "scale 1e300 (float32: inf)": dict(scale=1e300),
 }
 
 
@@ -279,6 +305,8 @@ SMALL_OPS_REFUSED = {
     "gated_rms_norm: eps": ("gated_rms_norm", torch.randn(2, 16), torch.randn(2, 16), torch.ones(16), -1.0),
     "l2_norm: eps": ("l2_norm", torch.randn(2, 16), -1.0),
     "l2_norm: NaN eps": ("l2_norm", torch.randn(2, 16), float("nan")),
+    "l2_norm: eps 1e300": ("l2_norm", torch.randn(2, 16), 1e300),
+    "gated_rms_norm: eps 1e300": ("gated_rms_norm", torch.randn(2, 16), torch.randn(2, 16), torch.ones(16), 1e300),
     "l2_norm: scalar": ("l2_norm", torch.tensor(1.0), 1e-6),
     "l2_norm: int": ("l2_norm", torch.ones(2, 16, dtype=torch.int32), 1e-6),
 }

@@ -48,8 +48,8 @@ void check_input(const at::Tensor& x) {
 }
 
 void check_eps(double eps) {
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ",
-                    eps);
+  TORCH_CHECK_VALUE(fits_float32(eps) && eps >= 0.0, "eps must be a finite number >= 0",
+                    kFloat32Range, ", got ", eps);
 }
 
 // A per-feature parameter (weight, bias): 1-D with x's last dim.

@@ -63,7 +63,7 @@ def test_gate_shape_mismatch(gn, x):
         gn.rms_norm_gated(x, torch.randn(1, 3, N), torch.ones(N))
 
 
-@pytest.mark.parametrize("eps", [-1e-6, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("eps", [-1e-6, -1.0, math.nan, math.inf, 1e300])  # 1e300: finite, but inf as ggml's float32
 def test_bad_eps(gn, x, eps):
     with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
         gn.rms_norm(x, eps=eps)
@@ -151,6 +151,8 @@ FAKE_CASES = {
     "l2_norm x 0-D": ("l2_norm", lambda: (_t(), 1e-6, "clamp")),
     "l2_norm x float64": ("l2_norm", lambda: (_t(3, N, dtype=torch.float64), 1e-6, "rsqrt")),
     "l2_norm eps negative": ("l2_norm", lambda: (_t(3, N), -1e-6, "clamp")),
+    "rms_norm eps 1e300": ("rms_norm", lambda: (_t(3, N), None, None, 1e300, False, False)),
+    "l2_norm eps 1e300": ("l2_norm", lambda: (_t(3, N), 1e300, "rsqrt")),
 }
 
 

@@ -5,7 +5,7 @@
   K/V) -> (B, Hq, Sq, D).
 - `flash_attn_forward(module, query, key, value, attention_mask, ...)`: transformers' attention
   interface (`model.set_attn_implementation("ggml-org/ggml-attn")`), returns ((B, Sq, Hq, D), None).
-- `supports_flash_attn(head_dim, dtype)`: what the kernel handles.
+- `supports_flash_attn(head_dim, dtype, *, value_head_dim=None)`: what the kernel handles.
 - `apply_rotary(q, k, cos, sin, unsqueeze_dim=1)`: transformers' `apply_rotary_pos_emb` (Llama family,
   rotate_half form) on its own cos / sin tables, q and k in one call; `layers.RotaryPosEmb` is the
   kernels-library layer for the `rotary_pos_emb` function kernel transformers maps.
@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 
 from . import _checks, layers, reference
-from ._checks import MAX_HEAD_DIM, METAL_HEAD_DIMS, SUPPORTED_DTYPES
+from ._checks import MAX_HEAD_DIM, METAL_HEAD_DIM_PAIRS, METAL_HEAD_DIMS, SUPPORTED_DTYPES
 from ._ggml_runtime import BACKEND, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
-    "MAX_HEAD_DIM", "METAL_HEAD_DIMS", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn", "flash_attn_forward",
-    "info", "kv_write", "layers", "reference", "supports_flash_attn",
+    "MAX_HEAD_DIM", "METAL_HEAD_DIM_PAIRS", "METAL_HEAD_DIMS", "SUPPORTED_DTYPES", "apply_rotary", "flash_attn",
+    "flash_attn_forward", "info", "kv_write", "layers", "reference", "supports_flash_attn",
 ]
 
 if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
@@ -36,15 +36,19 @@ if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never 
     __all__ += ["metal_dispatches", "reset_metal_dispatches"]
 
 
-def supports_flash_attn(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this build computes attention for this head dim and dtype: float32/float16/bfloat16
-    q/k/v, and any head dim up to MAX_HEAD_DIM on the CPU, those in METAL_HEAD_DIMS on Metal (the
-    head dims upstream's Metal kernels are instantiated for)."""
+def supports_flash_attn(
+    head_dim: int, dtype: torch.dtype = torch.float32, *, value_head_dim: int | None = None
+) -> bool:
+    """Whether this build computes attention for these head dims and dtype: float32/float16/bfloat16
+    q/k/v; on the CPU any query/key head dim and value head dim (`value_head_dim`, by default
+    `head_dim`) up to MAX_HEAD_DIM, on Metal the (key, value) pairs in METAL_HEAD_DIM_PAIRS (those
+    upstream's Metal kernels are instantiated for: 128 with 128, but not 128 with 64)."""
     if dtype not in SUPPORTED_DTYPES:
         return False
+    dims = (int(head_dim), int(head_dim if value_head_dim is None else value_head_dim))
     if _BACKEND == "cpu":
-        return 1 <= int(head_dim) <= MAX_HEAD_DIM
-    return int(head_dim) in METAL_HEAD_DIMS
+        return all(1 <= dim <= MAX_HEAD_DIM for dim in dims)
+    return dims in METAL_HEAD_DIM_PAIRS
 
 
 _BACKEND = info()["backend"]

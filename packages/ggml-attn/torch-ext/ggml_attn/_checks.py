@@ -1,20 +1,24 @@
-"""The shape and dtype rules of the ops, as the CPU kernel (attn_cpu.cpp) enforces them, for the
-fake (meta) implementations: what the kernel refuses from shapes and dtypes alone, a traced call
-(torch.compile, the meta device) refuses too, with the kernel's exception type and words. Rules that
-need the data (overlapping memory) stay in the kernel."""
+"""The shape and dtype rules of the ops, as the kernels (attn_inputs.cpp, and attn_metal.cpp for
+the Metal head dims) enforce them, for the fake (meta) implementations: what a kernel refuses from
+shapes and dtypes alone, a traced call (torch.compile, the meta device) refuses too, with the
+kernel's exception type and words. Rules that need the data (overlapping memory) stay in the kernel."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._ggml_runtime import check_dim, check_dtype, dtype_name
+from ._ggml_runtime import FLOAT32_RANGE, check_dim, check_dtype, dtype_name, fits_float32, info
 
 MAX_HEAD_DIM = 1024
-# ggml-metal's flash-attention kernels (its supports_op): these query/key head dims, value head
-# dim <= key head dim.
-METAL_HEAD_DIMS = (32, 40, 48, 64, 72, 80, 96, 112, 128, 192, 256, 320, 512, 576)
+# ggml-metal's flash-attention kernels: the (key, value) head dim pairs upstream instantiates them
+# for, vec and tiled alike (its supports_op lets any value head dim up to the key's through, and the
+# pipeline of a pair without a kernel then fails to build); kMetalHeadDims in attn_metal.cpp.
+METAL_HEAD_DIM_PAIRS = (
+    (32, 32), (40, 40), (48, 48), (64, 64), (72, 72), (80, 80), (96, 64), (96, 96), (112, 112), (128, 128),
+    (192, 128), (192, 192), (256, 256), (320, 256), (512, 512), (576, 512),
+)
+METAL_HEAD_DIMS = tuple(sorted({key for key, _ in METAL_HEAD_DIM_PAIRS}))  # the key head dims among them
+_METAL = info()["backend"] == "metal-emu"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,14 +42,25 @@ def flash_attn(q, k, v, mask, scale: float, softcap: float, sinks) -> None:
         raise ValueError(f"query head dim {d} != key head dim {k.shape[3]}")
     if not (1 <= d <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM):
         raise ValueError(f"head dim {d}/{dv} is not supported (1..{MAX_HEAD_DIM})")
-    if not (math.isfinite(scale) and math.isfinite(softcap) and softcap >= 0):
-        raise ValueError("scale must be finite and softcap finite and >= 0")
+    if _METAL and (d, dv) not in METAL_HEAD_DIM_PAIRS:
+        raise NotImplementedError(metal_head_dims_message(d, dv))
+    if not (fits_float32(scale) and fits_float32(softcap) and softcap >= 0):
+        raise ValueError(f"scale must be finite and softcap finite and >= 0{FLOAT32_RANGE}, got scale {scale:g}, "
+                         f"softcap {softcap:g}")
     if sinks is not None:
         check_dtype(sinks, SUPPORTED_DTYPES, "sinks")
         if sinks.dim() != 1 or sinks.shape[0] != hq:
             raise ValueError(f"sinks must hold one value per query head ({hq}), got shape {list(sinks.shape)}")
     if mask is not None:
         _mask(mask, b, hq, sq, skv)
+
+
+def metal_head_dims_message(d: int, dv: int) -> str:
+    """The Metal build's words for head dims it has no kernel for (attn_metal.cpp says the same)."""
+    pairs = ", ".join(f"{key}/{value}" for key, value in METAL_HEAD_DIM_PAIRS)
+    return (f"ggml-metal has no kernel for FLASH_ATTN_EXT with key head dim {d} and value head dim {dv}; its "
+            f"kernels take the key/value head dims {pairs} (supports_flash_attn says which), the CPU build any "
+            f"up to {MAX_HEAD_DIM}")
 
 
 def _mask(mask, b, hq, sq, skv) -> None:

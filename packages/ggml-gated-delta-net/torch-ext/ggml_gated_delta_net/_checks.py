@@ -5,11 +5,9 @@ that need the data (overlapping memory) stay in the kernel."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._ggml_runtime import check_dim, check_dtype, dtype_name
+from ._ggml_runtime import FLOAT32_RANGE, check_dim, check_dtype, dtype_name, fits_float32
 
 # Head dims the op accepts (ggml's GPU kernels are specialised for these; the CPU follows suit).
 HEAD_DIMS = (32, 64, 128)
@@ -49,8 +47,8 @@ def gated_delta_net(q, k, v, g, beta, state, scale: float | None, in_place: bool
         if list(state.shape) != [b, hv, d, d]:
             raise ValueError(f"state must be (batch, value heads, key dim, value dim) = {[b, hv, d, d]}, got "
                              f"{list(state.shape)}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale:g}")
+    if scale is not None and not fits_float32(scale):
+        raise ValueError(f"scale must be finite{FLOAT32_RANGE}, got {scale:g}")
     if in_place and not state.transpose(2, 3).is_contiguous():  # (the in-place op's state is never None)
         raise ValueError(
             "gated_delta_net_ updates the state in place, so it must be in ggml's layout: a state gated_delta_net "
@@ -94,8 +92,8 @@ def _rows_with_last_dim(x, name: str) -> None:
 
 
 def _eps(eps: float) -> None:
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps:g}")
+    if not (fits_float32(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0{FLOAT32_RANGE}, got {eps:g}")
 
 
 def l2_norm(x, eps: float) -> None:

@@ -8,12 +8,10 @@ unless said otherwise.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import BACKEND, check_dtype, info, same_device
+from ._ggml_runtime import BACKEND, FLOAT32_RANGE, check_dtype, fits_float32, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -105,8 +103,8 @@ def _check_common(x: torch.Tensor, eps: float) -> None:
     check_dtype(x, _FLOAT_DTYPES, "x")
     if x.dim() < 1:
         raise ValueError("x must have at least one dim (..., n), got a 0-D tensor")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps:g}")
+    if not (fits_float32(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0{FLOAT32_RANGE}, got {eps:g}")
 
 
 def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
