@@ -55,3 +55,48 @@ def test_bad_file(tmp_path):
     proc = cli("generate", "--gguf", str(bad), "--prompt", "x")
     assert proc.returncode == 2
     assert "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("generate", "--threads", "-2"), "argument --threads: -2 is out of range: it must be 1 to 512"),
+        (("generate", "--threads", "two"), "argument --threads: 'two' is not a whole number"),
+        (("bench", "--backend", "kernels", "--threads", "0"), "argument --threads: 0 is out of range: it must be 1 to 512"),
+        (("generate", "--prompt", ""), "argument --prompt: the prompt is empty"),
+        (("generate", "--max-new-tokens", "0"), "argument --max-new-tokens: 0 is out of range"),
+        (("bench", "--backend", "kernels", "--prompt-tokens", "100000000"),
+         "argument --prompt-tokens: 100000000 is out of range: it must be 1 to 16,777,216"),
+        (("bench", "--backend", "kernels", "--prompt-tokens", "64", "5000"),
+         "--prompt-tokens 64 5000 (and --decode-tokens 128 after the shortest) needs 5,000 positions; "),
+        (("bench", "--backend", "kernels", "--prompt-tokens", "4000", "--decode-tokens", "200"),
+         "needs 4,200 positions; "),
+        (("bench", "--backend", "kernels", "--repeats", "0"), "argument --repeats: 0 is out of range: it must be 1 to 1,000"),
+        (("generate", "--max-new-tokens", "5000"), "--max-new-tokens 5000 needs 5,000 positions; "),
+    ],
+)
+def test_arguments_out_of_bounds_are_usage_errors(tiny, args, message):
+    """Each ended in a traceback (torch.set_num_threads(-2), an empty prompt's empty tensor) or a 100 GB
+    allocation (a 10^8-token prompt): now argparse's usage error, exit status 2, before anything loads."""
+    command, *rest = args
+    if command == "generate" and "--prompt" not in rest:
+        rest += ["--prompt", "x"]
+    proc = cli(command, "--gguf", tiny, *rest)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "usage: ggml-kernels" in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+    if "positions" in message:
+        assert "holds 4,096 (qwen35.context_length)" in proc.stderr
+    assert "Traceback" not in proc.stderr and "loading" not in proc.stderr
+
+
+def test_text_that_is_not_utf8_names_the_file_and_the_key(tmp_path, tiny):
+    data = bytearray(open(tiny, "rb").read())
+    old = b"\x14\x00\x00\x00\x00\x00\x00\x00tokenizer.ggml.model\x08\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00gpt2"
+    assert data.count(old) == 1
+    at = data.index(old) + len(old) - 2
+    data[at] = 0xFF  # "gpt2" -> b"gp\xff2"
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(bytes(data))
+    proc = cli("generate", "--gguf", str(bad), "--prompt", "x")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{bad}: corrupt GGUF file: metadata 'tokenizer.ggml.model' is not valid UTF-8" in proc.stderr

@@ -205,6 +205,14 @@ BAD = {
                                   "qwen3.rope.freq_base is nan; it must be a finite positive number"),
     "rms-epsilon-0": ("qwen35", set_key("qwen35.attention.layer_norm_rms_epsilon", 0.0, T.FLOAT32),
                       "qwen35.attention.layer_norm_rms_epsilon is 0.0; it must be a finite positive number"),
+    # text that is not UTF-8: transformers' config read called it "not a valid JSON file", its tokenizer
+    # raised a bare UnicodeDecodeError
+    "name-not-utf8": ("llama", set_key("general.name", b"caf\xe9", T.STRING),
+                      "corrupt GGUF file: metadata 'general.name' is not valid UTF-8 (byte 0xe9 at position 3 of its "
+                      "4 bytes b'caf\\xe9')"),
+    "token-not-utf8": ("qwen3", set_key("tokenizer.ggml.tokens", ["t0", "t1", b"t\xff\xfe", *(f"t{i}" for i in range(3, 64))],
+                                        T.ARRAY, T.STRING),
+                       "metadata 'tokenizer.ggml.tokens' (item 2) is not valid UTF-8 (byte 0xff at position 1"),
     # keys a config needs
     "no-state-size": ("qwen35", drop_key("qwen35.ssm.state_size"),
                       "qwen35.ssm.state_size is missing; a qwen35 model's config needs it"),

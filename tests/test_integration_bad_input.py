@@ -16,7 +16,7 @@ from pathlib import Path
 import ggml_kernels_integration as gk
 import pytest
 
-from tools.models import make_gguf
+from tools.models import bpe_tokenizer, make_gguf
 from tools.testing.kernel_testing import fresh_process
 
 
@@ -67,6 +67,10 @@ def _insert_keys(data: bytearray, entries: bytes, count: int) -> bytearray:
     struct.pack_into("<Q", data, 16, n_kv + count + 1)
     return data[:24] + entries + data[24:]
 
+
+# a vocabulary entry of the tiny files (bpe_tokenizer's 2048 tokens), spelled once in them
+TOKEN_ID = 1000
+TOKEN = bpe_tokenizer.build_vocab(2048).tokens[TOKEN_ID]
 
 # an array of arrays ... of an empty uint32 array, 2000 deep
 DEEP_ARRAY = _string("general.nested") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 1999 + struct.pack("<IQ", 4, 0)
@@ -132,6 +136,21 @@ BAD_FILES = {
                        "the file has no tensor 'blk.1.ffn_up.weight', which a qwen35 model needs"),
     "rope-freq-base-nan": (lambda d: _set_key(d, "qwen35.rope.freq_base", "<f", float("nan")),
                            "qwen35.rope.freq_base is nan; it must be a finite positive number"),
+    # text that is not UTF-8: from_pretrained said "not a valid JSON file", AutoTokenizer raised a bare
+    # UnicodeDecodeError, the CLI named neither the file nor the key
+    "value-not-utf8": (
+        lambda d: _patch(d, _string("tokenizer.ggml.model") + struct.pack("<I", 8) + _string("gpt2"),
+                         _string("tokenizer.ggml.model") + struct.pack("<I", 8) + struct.pack("<Q", 4) + b"gp\xff2"),
+        "metadata 'tokenizer.ggml.model' is not valid UTF-8 (byte 0xff at position 2 of its 4 bytes b'gp\\xff2')",
+    ),
+    "token-not-utf8": (
+        lambda d: _patch(d, _string(TOKEN), struct.pack("<Q", len(TOKEN)) + TOKEN.encode()[:-1] + b"\xfe"),
+        f"metadata 'tokenizer.ggml.tokens' (item {TOKEN_ID:,}) is not valid UTF-8 (byte 0xfe",
+    ),
+    "key-not-utf8": (
+        lambda d: _patch(d, _string("general.file_type"), struct.pack("<Q", 17) + b"general.file_typ\xe9"),
+        "is not valid UTF-8 (byte 0xe9 at position 16 of its 17 bytes b'general.file_typ\\xe9')",
+    ),
 }
 
 
@@ -212,3 +231,68 @@ def test_transformers_load_fails_cleanly_after_enable(bad_files):
         assert BAD_FILES[name][1] in outcome["message"], (key, outcome)
         assert outcome["built"] == [], (key, outcome)  # failed before a model was constructed
         assert outcome["open"] == [], (key, outcome)
+
+
+@pytest.mark.parametrize("model", [None, "x", "linear"])
+def test_summary_of_something_else_than_a_model_is_a_type_error(model):
+    import torch
+
+    model = torch.nn.Linear(2, 2) if model == "linear" else model
+    with pytest.raises(TypeError, match=r"summary\(\) takes a transformers model \(an nn.Module with a .config"):
+        gk.summary(model)
+
+
+AFTER_DISABLE = """
+import json, torch
+import ggml_kernels_integration as gk
+from transformers import AutoModelForCausalLM
+from transformers.integrations.gguf import kernels as gguf_kernels
+from tools.models import make_gguf
+
+gguf_kernels._gguf_kernel = False  # a lookup before enable() found no kernel, as transformers alone on the CPU
+
+def logits(model):  # the last logits of a 12-token prompt (a prefill), of a 6-token one (mat-vecs, as decode)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 1000, 12, 64, 9, 300]])
+    with torch.inference_mode():
+        return model(ids).logits[0, -1], model(ids[:, :6]).logits[0, -1]
+
+gk.enable()
+models, before = {}, {}
+for name in ("qwen35-tiny", "qwen35moe-tiny"):
+    path = make_gguf.ensure(name, "Q4_K_M")
+    models[name] = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    before[name] = logits(models[name])
+gk.disable()
+res = {"lookup_restored": gguf_kernels._gguf_kernel is False}
+for name, model in models.items():
+    prefill, step = logits(model)  # transformers' own forwards: its dequantize for the prefill, the kernel's mat-vec
+    ref_prefill, ref_step = before[name]
+    res[name] = {"finite": bool(torch.isfinite(prefill).all() and torch.isfinite(step).all()),
+                 "prefill_rel": ((prefill - ref_prefill).abs().max() / ref_prefill.abs().max()).item(),
+                 "step_rel": ((step - ref_step).abs().max() / ref_step.abs().max()).item(),
+                 "own_forwards": sum("forward" in m.__dict__ for m in model.modules() if type(m).__name__.startswith("Gguf"))}
+gk.enable()  # the patched classes again: the forwards kept for disable() are taken off
+for name, model in models.items():
+    res[name]["after_enable"] = sum("forward" in m.__dict__ for m in model.modules() if type(m).__name__.startswith("Gguf"))
+    res[name]["again_rel"] = ((logits(model)[1] - before[name][1]).abs().max() / before[name][1].abs().max()).item()
+gk.disable()
+print("RESULT" + json.dumps(res))
+"""
+
+
+@pytest.mark.slow  # a fresh process, two models
+def test_a_model_loaded_while_enabled_runs_after_disable():
+    """disable() puts transformers' kernel lookup back (here: "no kernel", False); a model loaded packed
+    while enabled failed on its first forward ('bool' object has no attribute 'mul_mat_vec'). Its packed
+    modules (GgufLinear: mat-vec; GgufExperts: mul_mat_id) now run transformers' own forwards on the
+    ggml-quantization build they were loaded with: mat-vec products (up to 8 rows, as a decode step) give
+    the logits they gave while enabled, a prefill (transformers' own dequantize-and-matmul, float
+    activations instead of ggml's 8-bit ones) close ones."""
+    proc = fresh_process(AFTER_DISABLE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
+    assert res.pop("lookup_restored")
+    for name, outcome in res.items():
+        assert outcome["finite"] and outcome["own_forwards"] > 0 and outcome["after_enable"] == 0, (name, outcome)
+        assert outcome["step_rel"] < 1e-5 and outcome["again_rel"] < 1e-5, (name, outcome)
+        assert outcome["prefill_rel"] < 1e-1, (name, outcome)  # 3.5-3.7e-2 measured on these random tiny models

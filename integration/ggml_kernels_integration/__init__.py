@@ -32,7 +32,8 @@ tensors): transformers runs the model through the Metal path of every package, f
 machine without a Mac (slow); `metal_dispatches()` then lists the Metal kernels that ran.
 
 It is all or nothing: every change goes through one undo log (`patching.PatchSet`), so a failure
-midway leaves transformers as it was, and `disable()` restores every attribute it changed. It checks
+midway leaves transformers as it was, and `disable()` restores every attribute it changed; models
+loaded while enabled go on computing on transformers' own forwards (`kept_kernels`). It checks
 first that transformers and kernels are versions it was tested with and that every internal it
 relies on is where it expects (`compat`). Builds are found in `GGML_KERNELS_BUILDS`, kernels'
 `LOCAL_KERNELS`, or this checkout (`locate`).
@@ -50,6 +51,7 @@ from . import (
     archs,
     compat,
     dense_prefill,
+    kept_kernels,
     kv_cache,
     lean_metadata,
     locate,
@@ -147,16 +149,20 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         raise
     _dense_prefill_module.set_enabled(dense_prefill and backend == "cpu")
     _active.update(patches=patches, backend=backend, builds=ours)
+    kept_kernels.release()  # models loaded before a disable() run on the patched classes again
 
 
 def disable() -> None:
     """Undo `enable()`: every attribute, table entry and environment variable it changed is restored.
-    Models loaded while enabled keep the layer kernels grafted onto their modules; their packed
-    linears go back to transformers' own path."""
+    Models loaded while enabled keep the layer kernels grafted onto their modules, and their packed
+    modules run transformers' own forwards, on the ggml-quantization build they were loaded with
+    (transformers' process-wide kernel lookup is back as it was, and finds none on the CPU: see
+    `kept_kernels`)."""
     patches = _active.pop("patches", None)
     _active.clear()
     if patches is not None:
         patches.restore()
+        kept_kernels.keep()
     _dense_prefill_module.set_enabled(True)
 
 
@@ -228,7 +234,7 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
     projection_groups.patch_forward(patches, quant)
     patches.on_restore(functools.partial(repacking.unpack_all, quant), "repacked weights back to the GGUF layout")
     steps = [functools.partial(_repack_if_asked, quant=quant), functools.partial(projection_groups.install, quant=quant, patches=patches),
-             _return_freed_memory]
+             functools.partial(kept_kernels.track, quant=quant), _return_freed_memory]
     if report_loads:
         steps.append(_log_summary)
         _show_reports(patches)

@@ -51,6 +51,8 @@ TRANSFORMERS_DTYPES = {"kernels": "float32", "kernels-repacked": "float32", "tra
 DEFAULT_PROMPT_TOKENS = (64, 512)
 DEFAULT_DECODE_TOKENS = 128
 DEFAULT_REPEATS = 3
+MAX_REPEATS = 1000
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: the most threads one of its graphs runs on
 PROFILED_PROMPT_TOKENS = 16  # > 8 rows: the prefill matmul path (mul_mat), not mat-vec
 PROFILED_DECODE_STEPS = 4
 PROMPT_SEED = 0
@@ -353,6 +355,8 @@ def run(path, backend: str, prompt_tokens=DEFAULT_PROMPT_TOKENS, decode_tokens: 
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if not prompt_tokens or min(prompt_tokens) < 1 or decode_tokens < 1 or repeats < 1:
         raise ValueError("prompt lengths, decode tokens and repeats must be at least 1")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be 1 to {MAX_THREADS}, got {threads}")
     path = Path(path)
     check_gguf(path)
     rss_at_start = peak_rss_mib()  # the interpreter and the libraries imported so far

@@ -13,6 +13,10 @@ Progress messages go to stderr too, so stdout holds only the generated text.
 bench: measures one backend on one file in this process (see `ggml_kernels_integration.bench`);
 --json prints the result as one JSON object on stdout.
 
+Arguments out of bounds are usage errors (exit status 2) before anything is loaded: a thread count
+of 1 to 512 (ggml's most), an empty prompt, token counts below 1 or beyond the file's context length
+(`<arch>.context_length`; at most 16,777,216 where the file states none).
+
 Everything is local: the Hub is not contacted (HF_HUB_OFFLINE=1 unless set otherwise).
 """
 
@@ -25,11 +29,37 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench
+from . import bench, validate
 
 
 def _stage(message: str) -> None:
     print(f"[ggml-kernels] {message}", file=sys.stderr, flush=True)
+
+
+def _bounded_int(low: int, high: int):
+    """An argparse type: a whole number from `low` to `high`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: it must be {low} to {high:,}")
+        return value
+
+    return parse
+
+
+def _prompt_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the prompt is empty: give the text to continue")
+    return text
+
+
+THREADS = _bounded_int(1, bench.MAX_THREADS)
+TOKENS = _bounded_int(1, validate.MAX_CONTEXT_LENGTH)  # then bounded by the file's context (_check_against_file)
+REPEATS = _bounded_int(1, bench.MAX_REPEATS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,23 +68,25 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="stream a greedy continuation of a prompt, then a summary line")
     gen.add_argument("--gguf", type=Path, required=True, help="the GGUF model file")
-    gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--prompt", type=_prompt_text, required=True, help="the prompt text (not empty)")
+    gen.add_argument("--max-new-tokens", type=TOKENS, default=64, help="at most the file's context length")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the file's chat template (one user turn)")
     gen.add_argument("--no-kernels", action="store_true",
                      help="transformers alone: every weight dequantized at load (the baseline)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                      help="compute dtype; bfloat16 only with --no-kernels (our kernels compute in float32)")
-    gen.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    gen.add_argument("--threads", type=THREADS, default=None, help="CPU threads, 1 to 512 (default: torch's)")
 
     ben = commands.add_parser("bench", help="measure load, prefill, decode and peak memory of one backend")
     ben.add_argument("--gguf", type=Path, required=True, help="the GGUF model file")
     ben.add_argument("--backend", choices=bench.BACKENDS, required=True)
-    ben.add_argument("--prompt-tokens", type=int, nargs="+", default=list(bench.DEFAULT_PROMPT_TOKENS),
-                     help="prefill lengths (default: %(default)s)")
-    ben.add_argument("--decode-tokens", type=int, default=bench.DEFAULT_DECODE_TOKENS)
-    ben.add_argument("--repeats", type=int, default=bench.DEFAULT_REPEATS, help="timed runs per measurement (median)")
-    ben.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ben.add_argument("--prompt-tokens", type=TOKENS, nargs="+", default=list(bench.DEFAULT_PROMPT_TOKENS),
+                     help="prefill lengths, each within the file's context length (default: %(default)s)")
+    ben.add_argument("--decode-tokens", type=TOKENS, default=bench.DEFAULT_DECODE_TOKENS,
+                     help="decode steps after the shortest prompt, both within the file's context length")
+    ben.add_argument("--repeats", type=REPEATS, default=bench.DEFAULT_REPEATS,
+                     help=f"timed runs per measurement (median), 1 to {bench.MAX_REPEATS}")
+    ben.add_argument("--threads", type=THREADS, default=None, help="CPU threads, 1 to 512 (default: torch's)")
     ben.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     return parser
 
@@ -94,9 +126,6 @@ def generate(args) -> int:
     kernels_on = not args.no_kernels
     if kernels_on and args.dtype != "float32":
         raise ValueError("--dtype bfloat16 needs --no-kernels: our kernels compute in float32")
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be at least 1")
-    bench.check_gguf(path)
     if args.threads:
         torch.set_num_threads(args.threads)
     _stage(f"{path.name}: transformers {'on ggml-kernels' if kernels_on else 'alone (dequantized ' + args.dtype + ')'}, "
@@ -111,6 +140,11 @@ def generate(args) -> int:
     model, _ = bench.load_transformers_model(path, args.dtype)
     load_s = time.perf_counter() - start
     input_ids = _chat_or_plain_ids(tokenizer, args.prompt, args.chat)
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"the prompt {args.prompt!r} is no tokens at all for this tokenizer")
+    if input_ids.shape[1] + args.max_new_tokens > args.context:
+        raise ValueError(f"the prompt's {input_ids.shape[1]:,} tokens and --max-new-tokens {args.max_new_tokens:,} "
+                         f"need more positions than the {args.context:,} of {path.name}'s context")
     _stage(f"loaded in {load_s:.1f} s; generating up to {args.max_new_tokens} tokens")
 
     streamer = _timed_text_streamer(tokenizer)
@@ -138,11 +172,33 @@ def run_bench(args) -> int:
     return 0
 
 
+def _check_against_file(parser: argparse.ArgumentParser, args) -> None:
+    """The file is a usable GGUF model (`check_gguf`: GgufFileError naming the file and the problem),
+    and the token counts fit its context length (a usage error, exit status 2, if not), which it
+    keeps as `args.context` for the prompt's own check."""
+    if not args.gguf.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {args.gguf}")
+    summary = validate.check_gguf(args.gguf)
+    key = f"{summary.architecture}.context_length"
+    args.context = summary.metadata.get(key, validate.MAX_CONTEXT_LENGTH)
+    source = key if key in summary.metadata else "no context length in the file: the most this tool takes"
+    if args.command == "generate":
+        needed, what = args.max_new_tokens, f"--max-new-tokens {args.max_new_tokens}"
+    else:
+        needed = max(max(args.prompt_tokens), min(args.prompt_tokens) + args.decode_tokens)
+        what = (f"--prompt-tokens {' '.join(map(str, args.prompt_tokens))} (and --decode-tokens {args.decode_tokens} "
+                "after the shortest)")
+    if needed > args.context:
+        parser.error(f"{what} needs {needed:,} positions; {args.gguf.name} holds {args.context:,} ({source})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never wait on the network
     bench.silence_kernel_mapping_warnings()
     try:
+        _check_against_file(parser, args)
         return generate(args) if args.command == "generate" else run_bench(args)
     except (FileNotFoundError, ValueError) as error:
         print(f"ggml-kernels: error: {error}", file=sys.stderr)

@@ -28,6 +28,9 @@ INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("transformers.integrations.gguf.kernels", "get_gguf_kernel", ()),
     ("transformers.integrations.gguf.kernels", "get_ggml_layer_mapping", ()),
     ("transformers.integrations.gguf.kernels", "kernel_can_read", ("tensor",)),
+    # the kernel functions the packed modules' forwards call by name (`kept_kernels` binds them per model)
+    ("transformers.integrations.gguf.kernels", "mul_mat_vec", ("weight", "x", "ggml_type", "out_features")),
+    ("transformers.integrations.gguf.kernels", "mul_mat_id", ("blocks", "x", "ids", "ggml_type", "out_features")),
     ("transformers.integrations.gguf.utils", "GgufLinear.forward", ("self", "x")),
     ("transformers.integrations.gguf.utils", "GgufLinear._unpack_matmul", ("self", "flat")),
     ("transformers.integrations.gguf.utils", "GgufLinear.__init__", ("self", "in_features", "out_features", "ggml_type")),

@@ -69,9 +69,15 @@ def _runs_kernel(obj) -> bool:
 
 
 def summary(model, layer_kernels: dict[str, tuple[str, str]]) -> Summary:
-    """`layer_kernels`: kernel layer name -> (Hub id, layer class), what `enable()` maps."""
+    """`layer_kernels`: kernel layer name -> (Hub id, layer class), what `enable()` maps. `model` is a
+    transformers model (an nn.Module with a `config`); anything else is a TypeError."""
     import torch
 
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        module = isinstance(model, torch.nn.Module)
+        got = f"{type(model).__module__}.{type(model).__qualname__}" if module else repr(model)[:80]
+        raise TypeError(f"summary() takes a transformers model (an nn.Module with a .config, as from_pretrained "
+                        f"returns), got {got}")
     packed = Counter(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Gguf"))
     dense = sum(type(m) is torch.nn.Linear for m in model.modules())
     out = Summary(

@@ -10,7 +10,9 @@ table, never the weights) and raises `GgufFileError` (a ValueError) for:
 - a file that is not GGUF, of a version we do not read, or cut short (its header, or any tensor's
   data, ends past the end of the file); a `general.alignment` that is not a power of two; metadata
   arrays nested more than `MAX_ARRAY_DEPTH` deep; a tensor listed twice, of a dimension 0, whose
-  data is not aligned or overlaps another tensor's;
+  data is not aligned or overlaps another tensor's; a metadata key, string value (a vocabulary
+  entry, say) or tensor name that is not UTF-8 (GGUF's text encoding: transformers' config and
+  tokenizer reads fail on anything else, without naming the key);
 - an architecture neither transformers' packed loader (plus ours, see `archs`) nor its legacy
   loader knows;
 - a missing or empty tokenizer (`tokenizer.ggml.model` / `tokenizer.ggml.tokens`), or a special
@@ -114,11 +116,20 @@ class _Reader:
     def scalar(self, fmt: str, what: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, item: int | None = None) -> str:
+        """A GGUF string: its length, then that many bytes of UTF-8 (what every reader decodes)."""
         n = self.scalar("<Q", what)
         if n > self.size - self.f.tell():
             self.overrun(what, f"{n:,} bytes")
-        return self.take(n, what).decode("utf-8", errors="replace")
+        data = self.take(n, what)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            where = f"{what}{'' if item is None else f' (item {item:,})'}"
+            raise GgufFileError(
+                f"{self.path}: corrupt GGUF file: {where} is not valid UTF-8 (byte {data[error.start]:#04x} at "
+                f"position {error.start} of its {n:,} bytes {data[:40]!r}{'...' if n > 40 else ''})"
+            ) from None
 
     def value(self, type_id: int, what: str, keep: bool = True, depth: int = 0):
         if type_id in _SCALARS:
@@ -145,7 +156,10 @@ class _Reader:
         else:
             if count > self.size - self.f.tell():  # every item takes at least one byte
                 self.overrun(what, f"{count:,} items")
-            items = [self.value(item_type, what, keep, depth) for _ in range(count)]
+            if item_type == _STRING:  # a string item is named by its index when it is not UTF-8
+                items = [self.string(what, item) for item in range(count)]
+            else:
+                items = [self.value(item_type, what, keep, depth) for _ in range(count)]
             if keep:
                 return items
         length = ArrayLength(count)
@@ -196,16 +210,17 @@ def read_header(path: str | os.PathLike) -> GgufSummary:
         if n_tensors > size or n_kv > size:
             raise GgufFileError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
         metadata = {}
-        for _ in range(n_kv):
-            key = r.string("a metadata key")
+        key = None
+        for index in range(n_kv):
+            key = r.string(f"metadata key {index:,}" + (f" (the one after {key!r})" if key is not None else ""))
             if key in metadata:
                 raise GgufFileError(f"{path}: corrupt GGUF file: metadata key {key!r} appears twice")
             type_id = r.scalar("<I", f"metadata {key!r}")
             keep = not key.startswith("tokenizer.ggml.") or key in ("tokenizer.ggml.model", "tokenizer.ggml.pre")
             metadata[key] = r.value(type_id, f"metadata {key!r}", keep)
         tensors, offsets = {}, {}
-        for _ in range(n_tensors):
-            name = r.string("a tensor name")
+        for index in range(n_tensors):
+            name = r.string(f"the name of tensor {index:,} in the tensor table")
             if name in tensors:
                 raise GgufFileError(f"{path}: corrupt tensor table: tensor {name!r} is listed twice")
             n_dims = r.scalar("<I", f"tensor {name!r}")
