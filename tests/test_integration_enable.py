@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ggml_kernels_integration import compat, locate
+from ggml_kernels_integration import compat, kernels_gate, locate
 from ggml_kernels_integration.patching import PatchSet
 
 from tools.testing.kernel_testing import REPO, fresh_process
@@ -64,13 +64,26 @@ def test_a_moved_internal_is_named(monkeypatch):
         compat.check_internals()
 
 
+def test_the_kernel_hooks_enable_adds_are_those_transformers_gives():
+    """Where transformers does not take the installed kernels (5.23 with kernels 0.17) its classes have no
+    kernel hooks, and `kernels_gate` adds them from its tables; where it does, its own hooks say the same."""
+    if not compat.transformers_uses_kernels():
+        pytest.skip("transformers does not take this kernels: its classes carry no hooks to compare with")
+    for name, layer in kernels_gate.LAYER_CLASSES.items():
+        assert compat.resolve(*name.rsplit(".", 1)).kernel_layer_name == layer, name
+    for name, (function, layer) in kernels_gate.FUNCTION_USERS.items():
+        assert compat.resolve(name.rsplit(".", 1)[0], function).kernel_layer_name == layer, name
+
+
 def test_versions_outside_the_tested_range_are_refused():
     compat.check_versions(compat.installed_versions())  # the pinned environment passes
     with pytest.raises(compat.UnsupportedVersionError) as error:
-        compat.check_versions({"transformers": "5.23.0", "kernels": "0.17.2"})
+        compat.check_versions({"transformers": "5.24.0", "kernels": "0.17.2"})
     message = str(error.value)
-    for part in ("transformers 5.23.0", "kernels 0.17.2", ">=5.22.2,<5.23", "allow_untested_versions=True"):
+    for part in ("transformers 5.24.0", "kernels 0.17.2", ">=5.22.2,<5.24", "allow_untested_versions=True"):
         assert part in message
+    for transformers in ("5.22.2", "5.23.0"):
+        assert compat.untested_versions({"transformers": transformers, "kernels": "0.17.2"}) == []
     assert compat.untested_versions({"transformers": "5.22.2", "kernels": "0.18.2"}) == [
         "kernels 0.18.2 (tested: >=0.17.2,<0.18)"
     ]
@@ -121,12 +134,15 @@ s = gk.summary(model)
 with torch.no_grad():
     logits = model(torch.tensor([[1, 2, 3, 4]])).logits
 gk.disable()
+from ggml_kernels_integration import kernels_gate
+qwen35 = [n for n in kernels_gate.LAYER_CLASSES if ".modeling_qwen3_5." in n]
 print(json.dumps({"changed": changed, "twice": twice, "restored": restored,
                   "again": differences(before, snapshot()), "finite": bool(torch.isfinite(logits).all()),
-                  "ours": sorted(name for name, _ in s.ours), "packed": dict(s.packed)}))
+                  "ours": sorted(name for name, _ in s.ours), "packed": dict(s.packed),
+                  "hooks": sorted({hasattr(compat.resolve(*n.rsplit(".", 1)), "kernel_layer_name") for n in qwen35})}))
 """)
     # what enable() changes, judged from outside: at least one internal per job it does
-    for name in ("hub_kernels.get_kernel_hub", "GgufLinear.forward", "GgufLinear._unpack_matmul", "DynamicLayer.update",
+    for name in ("hub_kernels.get_kernel", "GgufLinear.forward", "GgufLinear._unpack_matmul", "DynamicLayer.update",
                  "load_gguf_checkpoint", "GGUFReader._get_field_parts", "LazyGgufTensor.__getitem__",
                  "quantizer_gguf.read_gguf_metadata", "get_ggml_layer_mapping", "kernel_can_read",
                  "_process_model_after_weight_loading", "LOCAL_KERNELS", "GGUF_ARCHS"):
@@ -134,6 +150,8 @@ print(json.dumps({"changed": changed, "twice": twice, "restored": restored,
     assert out["twice"] == [] and out["restored"] == [] and out["again"] == []
     assert out["finite"] and out["packed"].get("GgufLinear", 0) > 0
     assert {"RMSNormZeroCentered", "Qwen3_5GatedDeltaNet"} <= set(out["ours"])
+    # kernel hooks enable() gave the classes (where transformers gave them none) are gone with disable()
+    assert out["hooks"] == [compat.transformers_uses_kernels()]
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@
 
 `enable()` is thin, it rewrites no model code, and `disable()` undoes it:
 - points the Hub ids transformers asks for at our local builds (LOCAL_KERNELS), and resolves them
-  as CPU builds even on a CUDA build of torch;
+  as CPU builds even on a CUDA build of torch, and where transformers does not take the installed
+  kernels (5.23 wants kernels >= 0.18.2) opens its GGUF path to them all the same (`kernels_gate`);
 - maps the layer kernels (RMSNormZeroCentered, RMSNorm, Qwen3_5GatedDeltaNet, SoftmaxTopKRouter, and
   the Llama family's rotary_pos_emb function) for the CPU too (transformers maps them for "mps" only);
 - keeps `llama` files (SmolLM2, ...) packed too: transformers sends them to its older loader, which
@@ -52,6 +53,7 @@ from . import (
     compat,
     dense_prefill,
     kept_kernels,
+    kernels_gate,
     kv_cache,
     lean_metadata,
     locate,
@@ -218,13 +220,14 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
     from transformers.integrations.gguf import kernels as gguf_kernels
 
     _point_hub_ids_at(patches, ours)
+    kernels_gate.install(patches, ours)  # transformers 5.23 with kernels 0.17: its GGUF path uses them
     patches.set_attr(gguf_kernels, "_gguf_kernel", None)  # forget a lookup made before enable()
     _map_layer_kernels(patches, ours)
     archs.register(patches)  # llama files (SmolLM2, ...) kept packed too
     _release_mapped_pages_after_each_tensor(patches)
     write = None
-    if "ggml-org/ggml-attn" in ours:
-        attn = kernels.get_kernel("ggml-org/ggml-attn", version=1, **locate.backend_kwargs())
+    if locate.ATTENTION in ours:
+        attn = kernels.get_kernel(locate.ATTENTION, version=1, **locate.backend_kwargs())
         write = attn.ops.kv_write.default if hasattr(attn, "kv_write") else None
     kv_cache.install(patches, write)  # decode steps append to the key/value cache in place
     lean_metadata.install(patches)  # config reads without a numpy view per vocabulary entry
@@ -242,8 +245,11 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
 
 
 def _point_hub_ids_at(patches: PatchSet, ours: dict) -> None:
-    """LOCAL_KERNELS names our builds for the Hub ids transformers asks for; on a CUDA build of torch
-    they resolve as the CPU builds they are."""
+    """LOCAL_KERNELS names our builds for the Hub ids transformers asks for, and transformers' lookup
+    of those ids goes straight to kernels: on a CUDA build of torch they resolve as the CPU builds
+    they are, and where transformers does not take the installed kernels (see `kernels_gate`) they
+    resolve all the same."""
+    import kernels
     from transformers.integrations import hub_kernels
 
     mapping = ":".join(f"{repo}={path}" for repo, path in ours.items())
@@ -251,15 +257,14 @@ def _point_hub_ids_at(patches: PatchSet, ours: dict) -> None:
     patches.set_env("LOCAL_KERNELS", ":".join(p for p in (existing, mapping) if p))
 
     def make(original_get_kernel):
-        def get_kernel(repo_id, *args, **kwargs):
-            if repo_id in ours:
-                for key, value in locate.backend_kwargs().items():
-                    kwargs.setdefault(key, value)
-            return original_get_kernel(repo_id, *args, **kwargs)
+        def get_kernel(kernel_name, revision=None, version=None, allow_all_kernels=False):
+            if kernel_name not in ours:
+                return original_get_kernel(kernel_name, revision, version, allow_all_kernels)
+            return kernels.get_kernel(kernel_name, revision=revision, version=version, **locate.backend_kwargs())
 
         return get_kernel
 
-    patches.wrap(hub_kernels, "get_kernel_hub", make)
+    patches.wrap(hub_kernels, "get_kernel", make)
 
 
 def _map_layer_kernels(patches: PatchSet, ours: dict) -> None:

@@ -1,4 +1,4 @@
-"""Packed-load support for GGUF architectures transformers 5.22 still sends to its legacy,
+"""Packed-load support for GGUF architectures transformers (5.22, 5.23) still sends to its legacy,
 dequantizing loader.
 
 transformers keeps a file's blocks packed only for the architectures in its `GGUF_ARCHS` table

@@ -1,9 +1,10 @@
 """What the integration needs of transformers, kernels and gguf-py, checked before anything is patched.
 
-`enable()` rebinds internals of transformers 5.22 (there is no public hook for what it does), so it
-refuses versions outside the range it was tested with (`check_versions`; `allow_untested=True`
+`enable()` rebinds internals of transformers 5.22 and 5.23 (there is no public hook for what it does),
+so it refuses versions outside the range it was tested with (`check_versions`; `allow_untested=True`
 lets people try), and checks that every internal it touches is still there with the parameters it
-calls (`check_internals`): an upgrade then fails in one place, naming what moved.
+calls (`check_internals`): an upgrade then fails in one place, naming what moved. Every internal
+listed is there in both tested transformers versions.
 """
 
 from __future__ import annotations
@@ -16,12 +17,28 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 # distribution -> the versions the integration is tested with (noxfile.py pins the lower ends)
-TESTED = {"transformers": ">=5.22.2,<5.23", "kernels": ">=0.17.2,<0.18"}
+TESTED = {"transformers": ">=5.22.2,<5.24", "kernels": ">=0.17.2,<0.18"}
 
 # (module, attribute path, the leading parameter names we call it with, or None for a non-callable)
 INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = [
-    # kernel lookup: our Hub ids resolve to the CPU build on a CUDA torch
-    ("transformers.integrations.hub_kernels", "get_kernel_hub", ("repo_id",)),
+    # kernel lookup: our Hub ids resolve to the CPU build on a CUDA torch. transformers' own lookup, not
+    # kernels' `get_kernel` as hub_kernels imports it: that import is skipped where transformers does not
+    # take the installed kernels (5.23 with kernels 0.17), see `kernels_gate`
+    ("transformers.integrations.hub_kernels", "get_kernel", ("kernel_name", "revision", "version")),
+    ("kernels", "get_kernel", ("repo_id",)),
+    # transformers' kernels gate, and what `kernels_gate` opens where it is closed: the layer kernels
+    # grafted with kernels' own API, the attention registered as transformers registers it
+    ("transformers.utils.import_utils", "is_kernels_available", ()),
+    ("transformers.integrations.gguf.kernels", "is_kernels_available", ()),
+    ("transformers.integrations.gguf.kernels", "kernelize_ggml_layers", ("model",)),
+    ("kernels", "kernelize", ("model",)),
+    ("kernels", "use_kernel_mapping", ("mapping",)),
+    ("kernels", "register_kernel_mapping", ("mapping",)),
+    ("transformers.integrations.hub_kernels", "load_and_register_attn_kernel",
+     ("attn_implementation", "attention_wrapper", "allow_all_kernels")),
+    ("transformers", "AttentionInterface.register.__func__", ("cls", "key", "value")),  # a classmethod
+    ("transformers", "AttentionMaskInterface.register.__func__", ("cls", "key", "value")),
+    ("transformers.masking_utils", "sdpa_mask", None),
     # the packed GGUF path: kernel lookup, layer mapping, packed linears
     ("transformers.integrations.gguf.kernels", "_gguf_kernel", None),
     ("transformers.integrations.gguf.kernels", "MAX_GEMV_ROWS", None),
@@ -92,6 +109,14 @@ def check_versions(versions: dict[str, str] | None = None) -> None:
             f"ggml_kernels_integration is tested with {tested}; this environment has {found}. "
             f"It patches internals of these libraries that change between releases; {ALLOW_UNTESTED_HINT}."
         )
+
+
+def transformers_uses_kernels() -> bool:
+    """Whether transformers took the installed kernels at import (5.23 takes only kernels >= 0.18.2, which
+    the package index does not serve; with 0.17.2 it switches its kernels integration off)."""
+    from transformers.utils.import_utils import is_kernels_available
+
+    return is_kernels_available()
 
 
 def resolve(module: str, path: str):

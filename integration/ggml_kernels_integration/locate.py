@@ -23,8 +23,9 @@ import torch
 
 BUILDS_ENV = "GGML_KERNELS_BUILDS"
 QUANTIZATION = "ggml-org/ggml-quantization"
+ATTENTION = "ggml-org/ggml-attn"
 # every package the integration can use; only ggml-quantization is required
-HUB_IDS = (QUANTIZATION, "ggml-org/ggml-norm", "ggml-org/ggml-attn", "ggml-org/ggml-gated-delta-net", "transformers-community/topk")
+HUB_IDS = (QUANTIZATION, "ggml-org/ggml-norm", ATTENTION, "ggml-org/ggml-gated-delta-net", "transformers-community/topk")
 CHECKOUT_PACKAGES = Path(__file__).resolve().parents[2] / "packages"
 # backend -> the build folder inside a package folder
 BUILD_FOLDERS = {"cpu": "build", "metal-emu": "build-metal-emu"}

@@ -28,9 +28,10 @@ class PatchSet:
         return len(self._undo)
 
     def set_attr(self, owner: Any, name: str, value: Any) -> Any:
-        """`owner.name = value`; returns the value it replaces (as `getattr` reads it: inherited too)."""
+        """`owner.name = value`; returns the value it replaces (as `getattr` reads it: inherited too; None
+        where `owner` had no `name`)."""
         previous = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name)
-        replaced = getattr(owner, name)
+        replaced = getattr(owner, name, None)
 
         def undo() -> None:
             if previous is _MISSING:

@@ -16,7 +16,7 @@ the very same tensor object (`is`) and, for tensors that track one, the same ver
 in-place change in between); anything else (another input, a prefill, torch.compile tracing) runs
 the module's own forward, and siblings with a bias or an input permutation are not grouped. Kept
 outputs belong to the thread that computed them. Groups are only formed in the layer classes
-listed in `SIBLINGS`, whose forward (transformers 5.22.2 and our layer kernels) calls the siblings
+listed in `SIBLINGS`, whose forward (transformers 5.22 and 5.23, and our layer kernels) calls the siblings
 back to back on one unchanged tensor.
 
 A SiLU-gated MLP of `GATED_MLPS` (Llama's, Qwen3.5's, the Qwen3.5 MoE shared expert's) whose gate/up
@@ -44,7 +44,7 @@ SIBLINGS: dict[str, tuple[str, ...]] = {
     "Qwen3_5MoeGatedDeltaNet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
 }
 GROUP_ATTR = "_ggml_kernels_projection_group"
-# MLP classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (transformers 5.22.2)
+# MLP classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (transformers 5.22, 5.23)
 GATED_MLPS = ("LlamaMLP", "Qwen3_5MLP", "Qwen3_5MoeMLP")
 MLP_ATTR = "_ggml_kernels_gated_mlp"
 
