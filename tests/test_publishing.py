@@ -17,7 +17,7 @@ import torch
 from tools import publish
 from tools.build import metal_runtime
 from tools.testing import fresh_venv
-from tools.testing.kernel_testing import hub_ids, load_kernel, point_hub_ids_at_local_builds
+from tools.testing.kernel_testing import backend_kwargs, hub_ids, load_kernel, point_hub_ids_at_local_builds
 
 PACKAGES = hub_ids()  # repo id -> package folder
 EMULATOR_FILES = ("_metal_emu.py", metal_runtime.LIBRARY)
@@ -118,7 +118,8 @@ def test_to_cache_writes_the_hub_layout(tmp_path):
         assert meta.is_symlink() and meta.read_bytes() == (variant / "metadata.json").read_bytes()
     readme = folder / "snapshots" / (folder / "refs" / "main").read_text() / "README.md"
     assert readme.read_text().startswith("---\nlibrary_name: kernels\n")
-    code = ("import json, kernels; k = kernels.get_kernel('ggml-org/ggml-norm', version=1); "
+    # a CUDA build of torch (2.14, 2.15 here) makes kernels want a cu* variant: ours are CPU builds
+    code = (f"import json, kernels; k = kernels.get_kernel('ggml-org/ggml-norm', version=1, **{backend_kwargs()!r}); "
             "print('RESULT' + json.dumps(k.__file__))")
     env = fresh_venv.clean_env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -164,7 +165,7 @@ VENV_SCRIPT = """
 import sys, torch, kernels
 calls, folder = {calls!r}, sys.argv[1]
 for n, (repo_id, call) in enumerate(calls.items()):
-    k = kernels.get_kernel(repo_id, version=1)
+    k = kernels.get_kernel(repo_id, version=1, **({{"backend": "cpu"}} if torch.version.cuda else {{}}))
     i = torch.load(f"{{folder}}/in{{n}}.pt")
     torch.save(eval(call), f"{{folder}}/out{{n}}.pt")
     print(repo_id, k.__file__)
