@@ -36,24 +36,15 @@ def run_in_fresh_process(body: str) -> dict:
     return json.loads(done.stdout.rsplit("RESULT", 1)[1])
 
 
-@pytest.fixture(scope="module", params=BUILDS)
-def attn(request):
-    return load("ggml-attn", request.param)
+def each_build(package: str):
+    """A module-scoped fixture, named after the package's short name, holding each of its BUILDS."""
+    return pytest.fixture(scope="module", params=BUILDS)(lambda request: load(package, request.param))
 
 
-@pytest.fixture(scope="module", params=BUILDS)
-def quant(request):
-    return load("ggml-quantization", request.param)
-
-
-@pytest.fixture(scope="module", params=BUILDS)
-def norm(request):
-    return load("ggml-norm", request.param)
-
-
-@pytest.fixture(scope="module", params=BUILDS)
-def topk(request):
-    return load("topk", request.param)
+attn = each_build("ggml-attn")
+quant = each_build("ggml-quantization")
+norm = each_build("ggml-norm")
+topk = each_build("topk")
 
 
 # ---- kv_write's cache dtypes ----------------------------------------------------------------
