@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import sysconfig
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from tools import REPO
 
-from . import ggml_runtime, metal_runtime, package_spec, sanitize, upstream
+from . import extension_cache, files, ggml_runtime, metal_runtime, package_spec, sanitize, upstream
 from . import ninja_build as ninja
 from .package_spec import PackageSpec
 
@@ -178,24 +177,16 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
     ldflags += sanitize.link_flags()
     n.build(so, "link", objs, variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
-    ninja.run(work, jobs)
+    extension_cache.build(so, work, n, pkg, jobs)
 
     out = pkg / kind.folder / variant
     glue = python_glue(kind)
     _assemble(out, pkg / "torch-ext" / py_name, so, kind.libraries(runtime), glue, ext_id, spec.general)
     for module in glue:
-        _copy_if_changed(module, out / module.name)
+        files.copy_if_changed(module, out / module.name)
     if check_abi:
         check_binaries(out)
     return out
-
-
-def _copy_if_changed(src: Path, dst: Path) -> None:
-    if dst.exists() and dst.stat().st_size == src.stat().st_size and dst.read_bytes() == src.read_bytes():
-        return
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
 
 
 def python_glue(kind: Backend) -> list[Path]:
@@ -213,10 +204,10 @@ def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue:
         rel = f.relative_to(py_src)
         wanted.add(rel.parts[0])
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        _copy_if_changed(f, out / rel)
+        files.copy_if_changed(f, out / rel)
     for f in [so, *runtime_libs, LICENSE]:
-        _copy_if_changed(f, out / f.name)
-    _copy_if_changed(upstream.upstream_license(), out / UPSTREAM_LICENSE)
+        files.copy_if_changed(f, out / f.name)
+    files.copy_if_changed(upstream.upstream_license(), out / UPSTREAM_LICENSE)
     for stale in out.iterdir():  # an older extension id, a removed module, a dropped CPU level
         if stale.name not in wanted:
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
@@ -228,7 +219,7 @@ def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue:
         f'    """Prefix op by namespace."""\n'
         f'    return f"{ext_id}::{{op_name}}"\n'
     )
-    _write_if_changed(out / "_ops.py", ops)
+    files.write_if_changed(out / "_ops.py", ops)
     metadata = {
         "name": general["name"],
         "id": ext_id,
@@ -238,12 +229,7 @@ def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue:
         "python-depends": general.get("python-depends", []),
         "backend": {"type": "cpu"},
     }
-    _write_if_changed(out / "metadata.json", json.dumps({k: v for k, v in metadata.items() if v is not None}, indent=2) + "\n")
-
-
-def _write_if_changed(path: Path, text: str) -> None:
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+    files.write_if_changed(out / "metadata.json", json.dumps({k: v for k, v in metadata.items() if v is not None}, indent=2) + "\n")
 
 
 def check_binaries(variant_dir: Path, required: bool = False) -> None:
