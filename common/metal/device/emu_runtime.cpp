@@ -1,6 +1,7 @@
-// Fibers for the emulated device's GPU threads, and their rendezvous points. On x86-64 a fiber
-// switch is a few instructions of ours (callee-saved registers, the stack pointer, the SSE and x87
-// control words); elsewhere ucontext, whose swapcontext also saves the signal mask (a system call).
+// Fibers for the emulated device's GPU threads, their rendezvous points, and launches (a grid of
+// threadgroups with its threadgroup memory). On x86-64 a fiber switch is a few instructions of
+// ours (callee-saved registers, the stack pointer, the SSE and x87 control words); elsewhere
+// ucontext, whose swapcontext also saves the signal mask (a system call).
 #include "emu_runtime.h"
 
 #if !defined(__x86_64__)
@@ -19,6 +20,7 @@
 #define GK_DIVIDE_BY_ZERO_GPU_SEMANTICS 1
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <exception>
@@ -409,6 +411,89 @@ void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, 
     throw;
   }
   t_group = outer;
+}
+
+// ---- launches ----
+
+// Generated at build time (metal_runtime.py): the kernels of upstream's files not translated yet.
+extern const char* const kUntranslatedKernels[];
+
+namespace {
+
+bool untranslated(const std::string& kernel) {
+  for (const char* const* name = kUntranslatedKernels; *name != nullptr; ++name)
+    if (kernel == *name) return true;
+  return false;
+}
+
+// Every function constant back to zero, then the launch's values (what a pipeline compiled with
+// those constants sees).
+void set_constants(const std::map<int32_t, int32_t>& constants) {
+  for (auto& [index, set] : constant_setters()) set(0);
+  for (const auto& [index, value] : constants) {
+    auto [first, last] = constant_setters().equal_range(index);
+    for (auto it = first; it != last; ++it) it->second(value);
+  }
+}
+
+// The guard zone after each threadgroup-memory block: a kernel that writes past its threadgroup
+// memory (upstream's fa_vec kernels do for some head sizes) writes here, not into the heap.
+constexpr size_t kGuardBytes = 4096;
+constexpr uint8_t kGuardByte = 0xa5;
+
+// How far into the guard zone at `guard` a threadgroup wrote.
+size_t bytes_past_end(const uint8_t* guard) {
+  for (size_t i = kGuardBytes; i > 0; --i)
+    if (guard[i - 1] != kGuardByte) return i;
+  return 0;
+}
+
+}  // namespace
+
+bool has_kernel(const std::string& name) { return kernels().count(name) != 0; }
+
+size_t run(const Launch& launch) {
+  const auto found = kernels().find(launch.kernel);
+  if (found == kernels().end()) {
+    if (untranslated(launch.kernel))
+      throw std::runtime_error(
+          "Metal emulator: kernel " + launch.kernel +
+          " is not translated yet (tools/build/metal_translate.py KERNEL_FILES)");
+    throw std::runtime_error("upstream's Metal library has no kernel " + launch.kernel +
+                             ": its host code asked for a pipeline no .metal file defines (on a "
+                             "Mac, compiling it fails)");
+  }
+  set_constants(launch.constants);
+  // threadgroup memory: exactly the sizes the host set, filled with a NaN pattern (it starts
+  // undefined on a GPU), each followed by a guard zone that shows writes past its end
+  int max_tg = -1;
+  for (const auto& [index, size] : launch.threadgroup_memory) max_tg = std::max(max_tg, index);
+  std::vector<std::unique_ptr<uint8_t[]>> tg_blocks;
+  std::vector<void*> tg_memory(max_tg + 1, nullptr);
+  const uint32_t threads = launch.threads[0] * launch.threads[1] * launch.threads[2];
+  ThreadContext base{};
+  base.buffers = &launch.buffers, base.tg_memory = &tg_memory;
+  for (int i = 0; i < 3; ++i) base.ntg[i] = launch.threads[i], base.ntgp[i] = launch.grid[i];
+  size_t overrun = 0;
+  for (uint32_t z = 0; z < launch.grid[2]; ++z) {
+    for (uint32_t y = 0; y < launch.grid[1]; ++y) {
+      for (uint32_t x = 0; x < launch.grid[0]; ++x) {
+        tg_blocks.clear();
+        for (const auto& [index, size] : launch.threadgroup_memory) {
+          tg_blocks.emplace_back(new uint8_t[size + kGuardBytes]);
+          std::memset(tg_blocks.back().get(), 0xff, size);
+          std::memset(tg_blocks.back().get() + size, kGuardByte, kGuardBytes);
+          tg_memory[index] = tg_blocks.back().get();
+        }
+        base.tgpig[0] = x, base.tgpig[1] = y, base.tgpig[2] = z;
+        run_threadgroup(found->second.entry, launch.kernel.c_str(), base, threads);
+        size_t block = 0;
+        for (const auto& [index, size] : launch.threadgroup_memory)
+          overrun = std::max(overrun, bytes_past_end(tg_blocks[block++].get() + size));
+      }
+    }
+  }
+  return overrun;
 }
 
 }  // namespace ggml_kernels::metal::emu

@@ -97,4 +97,23 @@ bool lane_zero_convergence();
 // std::runtime_error naming `kernel` on a deadlock (lanes at different rendezvous points).
 void run_threadgroup(KernelEntry entry, const char* kernel, ThreadContext base, uint32_t threads);
 
+// A dispatch with its arguments resolved to host memory: what any device layer over this emulator
+// (ours over virtual buffers, or a fake Metal framework over host buffers) hands it to run.
+struct Launch {
+  std::string kernel;                        // the [[host_name]]
+  std::map<int32_t, int32_t> constants;      // function-constant index -> value (others read 0)
+  std::vector<void*> buffers;                // argument index -> host memory (inline bytes too)
+  std::map<int, size_t> threadgroup_memory;  // threadgroup argument index -> bytes
+  uint32_t grid[3];                          // threadgroups
+  uint32_t threads[3];                       // threads per threadgroup
+};
+
+// Whether a kernel of that [[host_name]] is translated (and so can run here).
+bool has_kernel(const std::string& name);
+
+// Runs a launch threadgroup by threadgroup. Throws std::runtime_error naming the kernel (unknown,
+// not translated yet, deadlocked). Returns the most bytes a threadgroup wrote past the end of its
+// threadgroup memory (into a guard zone; on a GPU, undefined behaviour), 0 when none did.
+size_t run(const Launch& launch);
+
 }  // namespace ggml_kernels::metal::emu
