@@ -1,0 +1,339 @@
+"""llama.cpp's own op suite, `test-backend-ops`, against an emulated Metal device.
+
+test-backend-ops (tests/test-backend-ops.cpp of the pinned llama.cpp, compiled unchanged) runs each
+of its cases on a backend and on ggml-cpu's reference path and compares the outputs. Here it is
+linked to a device library of the runtime cache (ggml-base and upstream's Metal backend over our
+device layer: `libggml-kernels-metal-emu.so`) and to ggml-cpu compiled into the executable, with
+upstream's `ggml-backend-reg.cpp` built with GGML_USE_CPU and GGML_USE_METAL: one ggml-base in the
+process, the device library's. Built with ninja into <runtime>/upstream-ops/, so a second run
+compiles nothing.
+
+    python -m tools.build.upstream_ops                    # the CI filter set (CI_FILTERS)
+    python -m tools.build.upstream_ops --full             # every case of the suite (hours)
+    python -m tools.build.upstream_ops -o MUL_MAT -p 'type_a=q4_K'   # one selection
+    python -m tools.build.upstream_ops --list             # the CI filter set, nothing run
+
+Prints per op the cases passed / failed / not supported and exits 1 on any failure, crash or output
+it does not understand. `--device` names the device library (DEVICES); a second emulated device
+(the MPS twin) plugs in there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import ggml_runtime, metal_runtime, upstream
+from . import ninja_build as ninja
+
+TEST_SOURCE = "tests/test-backend-ops.cpp"  # inside llama.cpp's tree
+EXECUTABLE = "test-backend-ops"
+# ggml-cpu's reference for the comparison: the baseline level runs on every x86-64 CI machine
+# (the suite asks ggml-cpu for its reference path anyway)
+CPU_LEVEL = "x64"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A device library of the runtime cache that upstream's backend registry can link to."""
+
+    name: str
+    library: str | None  # file name in the runtime folder; None: not built yet
+    backend: str  # the device name test-backend-ops' -b takes
+    defines: tuple[str, ...]  # ggml-backend-reg.cpp's GGML_USE_* for it (GGML_USE_CPU is always on)
+    build: Callable[[], Path] | None = None  # builds the library, returns its folder
+    missing: str = ""  # why it cannot run yet
+
+
+DEVICES = {
+    "metal-emu": Device("metal-emu", metal_runtime.LIBRARY, "MTL0", ("GGML_USE_METAL",), build=lambda: ggml_runtime.build()),
+    # upstream's host code over a metal-cpp device layer and a fake Metal framework: being built;
+    # give it its library and builder here once it exists
+    "mps-emu": Device("mps-emu", None, "MTL0", ("GGML_USE_METAL",),
+                      missing="the MPS-twin device library does not exist yet"),
+}
+
+
+def device(name: str) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {sorted(DEVICES)}")
+    found = DEVICES[name]
+    if found.library is None or found.build is None:
+        raise NotImplementedError(f"device {name!r} cannot run test-backend-ops: {found.missing}")
+    return found
+
+
+# ---- the filters ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Filter:
+    """One run of test-backend-ops: -o (op names or regexes, comma separated) and -p (a regex over
+    the case's parameters); None runs every case."""
+
+    ops: str | None
+    params: str | None = None
+
+    def args(self) -> list[str]:
+        return (["-o", self.ops] if self.ops else []) + (["-p", self.params] if self.params else [])
+
+
+# Every op family our packages run on Metal, at the sizes a CI machine (2 cores) gets through in a
+# few minutes: the suite's largest cases (long-KV attention, 4096-row MoE) take minutes each on the
+# emulated device and are left to --full. Measured in docs/metal.md.
+CI_FILTERS: dict[str, Filter] = {
+    "mul_mat": Filter("MUL_MAT", r"type_a=(f32|f16|bf16|q4_0|q4_1|q8_0|q4_K|q6_K|iq4_nl|mxfp4),type_b=f32,m=16,n=(1|3|9),k=256,"),
+    "mul_mat_id": Filter("MUL_MAT_ID", r"type_a=(f16|q4_0|q4_K),type_b=f32,n_mats=4,n_used=2,b=0,m=512,n=(1|32),k=256"),
+    "flash_attn": Filter("FLASH_ATTN_EXT", r"hsk=(64|128),hsv=(64|128),nh=4,nr23=\[1,1\],kv=512,nb=(1|35),mask=1,sinks=0,max_bias=0\.000000,logit_softcap=0\.000000,prec=f32,type_KV=(f16|q8_0)"),
+    "get_rows": Filter("GET_ROWS", r"type=(f32|f16|q4_0|q4_K|q6_K),n=256,m=5,r=4,be1=1,be2=1,v=0"),
+    "set_rows": Filter("SET_ROWS", r"type=(f32|f16|bf16),type_idx=i64,ne=\[512,5,1,3\],nr23=\[1,1\],r=1,v=0"),
+    "norms": Filter(r"RMS_NORM,RMS_NORM_MUL_ADD,L2_NORM,NORM"),
+    "ssm_conv": Filter("SSM_CONV"),
+    "gated_delta_net": Filter("GATED_DELTA_NET"),
+    "routing": Filter(r"TOP_K,ARGSORT,TOPK_MOE", r"ne=\[(8|16|32|64|128),"),
+    "soft_max": Filter("SOFT_MAX", r"ne=\[(16|32),"),
+    "element_wise": Filter(r"ADD,MUL,SCALE,SILU,SWIGLU,CONCAT,ROPE", r"type=f32"),
+}
+FULL = {"everything": Filter(None)}
+
+
+# ---- the build ----------------------------------------------------------------------------------
+
+def test_source() -> Path:
+    """tests/test-backend-ops.cpp of the pinned llama.cpp, extracted once beside the ggml tree."""
+    tree_root = upstream.ggml_tree().parent
+    dest = tree_root / TEST_SOURCE
+    if dest.exists():
+        return dest
+    member = upstream.pin()["sdist"]["ggml_subdir"].rstrip("/").rsplit("/", 1)[0] + "/" + TEST_SOURCE
+    with tarfile.open(upstream.sdist_path()) as tar:
+        data = tar.extractfile(member).read()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dest)
+    return dest
+
+
+def build_dir(runtime: Path | None = None) -> Path:
+    return (runtime or ggml_runtime.runtime_dir()) / "upstream-ops"
+
+
+def _compile_flags(tree: Path) -> list[str]:
+    src = tree / "src"
+    defines = [f"-D{d}" for d in ggml_runtime.DEFINES]
+    return ggml_runtime.COMMON_FLAGS + defines + [f"-I{tree / 'include'}", f"-I{src}", f"-I{src / 'ggml-cpu'}"]
+
+
+def write_ninja(out: Path, runtime: Path, tree: Path, test_cpp: Path, dev: Device) -> Path:
+    """build.ninja for test-backend-ops of one device; returns the executable's path."""
+    src = tree / "src"
+    flags = _compile_flags(tree)
+    n = ninja.NinjaFile()
+    n.rule("cc", "gcc -MMD -MF $out.d -std=gnu11 $flags -c $in -o $out", "CC $out", depfile=True)
+    n.rule("cxx", "g++ -MMD -MF $out.d -std=gnu++17 $flags -c $in -o $out", "CXX $out", depfile=True)
+    n.rule("link", "g++ -o $out $in $ldflags", "LINK $out")
+    level_flags, level_defines = ggml_runtime.CPU_LEVELS[CPU_LEVEL]
+    cpu_flags = flags + level_flags + [f"-D{d}" for d in level_defines]
+    objs = []
+    for s in ggml_runtime.CPU_SOURCES:
+        obj = out / "obj" / "cpu" / (s.replace("/", "_") + ".o")
+        n.build(obj, "cc" if s.endswith(".c") else "cxx", src / s, variables={"flags": ninja.quote(cpu_flags)})
+        objs.append(obj)
+    test_obj = out / "obj" / "test-backend-ops.cpp.o"
+    n.build(test_obj, "cxx", test_cpp, variables={"flags": ninja.quote(flags)})
+    # libggml's own two files (the registry and its dlopen helpers), which ggml-base leaves out
+    dl_obj = out / "obj" / "ggml-backend-dl.cpp.o"
+    n.build(dl_obj, "cxx", src / "ggml-backend-dl.cpp", variables={"flags": ninja.quote(flags)})
+    reg_obj = out / "obj" / dev.name / "ggml-backend-reg.cpp.o"
+    reg_flags = flags + ["-DGGML_USE_CPU"] + [f"-D{d}" for d in dev.defines]
+    n.build(reg_obj, "cxx", src / "ggml-backend-reg.cpp", variables={"flags": ninja.quote(reg_flags)})
+    library = runtime / dev.library
+    exe = out / dev.name / EXECUTABLE
+    # the device library by its soname, found next to the runtime wherever the cache lies; `$$` is
+    # ninja's `$`, kept from the shell by quote()'s single quotes
+    ldflags = ninja.quote([library, f"-Wl,-rpath,$ORIGIN/{os.path.relpath(runtime, exe.parent)}",
+                           "-pthread", "-lm", "-ldl"]).replace("$", "$$")
+    n.build(exe, "link", [test_obj, reg_obj, dl_obj, *objs], implicit=[library], variables={"ldflags": ldflags})
+    n.write(out / "build.ninja")
+    return exe
+
+
+def build(device_name: str = "metal-emu", jobs: int | None = None) -> Path:
+    """Builds the device library (the runtime) and test-backend-ops linked to it; returns the executable."""
+    dev = device(device_name)
+    runtime = dev.build()
+    out = build_dir(runtime)
+    exe = write_ninja(out, runtime, upstream.ggml_tree(), test_source(), dev)
+    ninja.run(out, jobs)
+    return exe
+
+
+# ---- the output ---------------------------------------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# a case's line: "  OP(params): OK | FAIL | not supported [BACKENDS]"; a failing case's reason
+# ("[OP] ERR = ... > ... ") is printed in front of it, on the same line
+CASE = re.compile(r"  (?P<op>[^\s(\[\]]+)\((?P<params>.*)\): (?P<status>OK|FAIL|not supported \[[^\]]*\])\s*$")
+TOTALS = re.compile(r"^  (?P<passed>\d+)/(?P<run>\d+) tests passed\s*$")
+FA_SLICE = re.compile(r"^  fa_vec \(Q,NE\) slice: (?P<run>\d+) cases run, (?P<failed>\d+) failed\s*$")
+FA_SLICE_OP = "FLASH_ATTN_EXT (vec slice)"
+
+
+@dataclasses.dataclass
+class OpCount:
+    passed: int = 0
+    failed: int = 0
+    unsupported: int = 0
+
+
+@dataclasses.dataclass
+class Summary:
+    ops: dict[str, OpCount] = dataclasses.field(default_factory=lambda: collections.defaultdict(OpCount))
+    failures: list[str] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)  # a crash, output not understood
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.problems
+
+    def count(self, field: str) -> int:
+        return sum(getattr(c, field) for c in self.ops.values())
+
+    def merge(self, other: Summary) -> None:
+        for op, c in other.ops.items():
+            mine = self.ops[op]
+            mine.passed, mine.failed, mine.unsupported = (mine.passed + c.passed, mine.failed + c.failed,
+                                                          mine.unsupported + c.unsupported)
+        self.failures += other.failures
+        self.problems += other.problems
+
+
+def parse(output: str, returncode: int = 0, label: str = "run") -> Summary:
+    """test-backend-ops' console output (test mode) as counts per op; the totals it prints must agree."""
+    summary = Summary()
+    totals = []
+    last_case_started = None
+    for raw in output.splitlines():
+        line = ANSI.sub("", raw)
+        if m := CASE.search(line):
+            count = summary.ops[m["op"]]
+            if m["status"] == "OK":
+                count.passed += 1
+            elif m["status"] == "FAIL":
+                count.failed += 1
+                summary.failures.append(f"{m['op']}({m['params']})")
+            else:
+                count.unsupported += 1
+        elif m := TOTALS.match(line):
+            totals.append((int(m["passed"]), int(m["run"])))
+        elif m := FA_SLICE.match(line):
+            count = summary.ops[FA_SLICE_OP]
+            count.failed += int(m["failed"])
+            count.passed += int(m["run"]) - int(m["failed"])
+        elif line.startswith("  FAIL fa_vec slice: "):
+            summary.failures.append(line.strip())
+        elif line.startswith("  ") and "(" in line:
+            last_case_started = line.strip()
+    run = sum(c.passed + c.failed for op, c in summary.ops.items() if op != FA_SLICE_OP)
+    passed = sum(c.passed for op, c in summary.ops.items() if op != FA_SLICE_OP)
+    if returncode < 0 or returncode > 1:
+        where = f" (last output: {last_case_started})" if last_case_started else ""
+        summary.problems.append(f"{label}: test-backend-ops ended with status {returncode}{where}")
+    elif not totals:
+        summary.problems.append(f"{label}: no 'N/M tests passed' line in test-backend-ops' output")
+    elif totals != [(passed, run)]:
+        summary.problems.append(f"{label}: test-backend-ops counted {totals}, the case lines {passed}/{run}")
+    elif returncode == 1 and summary.ok:
+        summary.problems.append(f"{label}: test-backend-ops failed (status 1) with no failing case in its output")
+    return summary
+
+
+def format_summary(summary: Summary, seconds: float | None = None) -> str:
+    rows = [f"| {op} | {c.passed} | {c.failed} | {c.unsupported} |" for op, c in sorted(summary.ops.items())]
+    total = (f"| **total** | {summary.count('passed')} | {summary.count('failed')} | "
+             f"{summary.count('unsupported')} |")
+    lines = ["| op | passed | failed | not supported |", "|---|---:|---:|---:|", *rows, total]
+    lines += [f"FAILED {f}" for f in summary.failures] + [f"ERROR {p}" for p in summary.problems]
+    took = f" in {seconds:.0f} s" if seconds is not None else ""
+    lines.append(("OK" if summary.ok else "FAILED") + took)
+    return "\n".join(lines)
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+def run_filter(exe: Path, backend: str, name: str, flt: Filter, workers: int = 1, env: dict | None = None,
+               echo: bool = False) -> Summary:
+    """One test-backend-ops process; its stdout parsed, its stderr passed through."""
+    cmd = [str(exe), "test", "-b", backend, *flt.args(), "-j", str(workers)]
+    if echo:
+        print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
+    return parse(res.stdout, res.returncode, label=name)
+
+
+def run(exe: Path, backend: str, filters: dict[str, Filter], workers: int = 1, fa_vec_slice: bool = True,
+        verbose: bool = True) -> Summary:
+    env = dict(os.environ)
+    if not fa_vec_slice:  # upstream's switch for its forced vec-kernel sweep (up to 4097 keys)
+        env["LLAMA_TEST_FA_VEC_DISABLE"] = "1"
+    total = Summary()
+    for name, flt in filters.items():
+        start = time.monotonic()
+        got = run_filter(exe, backend, name, flt, workers, env, echo=verbose)
+        if verbose:
+            print(f"[upstream-ops] {name}: {got.count('passed')} passed, {got.count('failed')} failed, "
+                  f"{got.count('unsupported')} not supported ({time.monotonic() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
+        total.merge(got)
+    return total
+
+
+def select(full: bool, ops: str | None, params: str | None) -> dict[str, Filter]:
+    if (ops or params) and full:
+        raise ValueError("--full runs every case: give it no -o / -p")
+    if ops or params:
+        return {"selection": Filter(ops, params)}
+    return FULL if full else CI_FILTERS
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="metal-emu", choices=sorted(DEVICES), help="the device library")
+    ap.add_argument("--full", action="store_true", help="every case of the suite (hours on the emulator)")
+    ap.add_argument("-o", dest="ops", help="test-backend-ops' -o: op names or regexes, comma separated")
+    ap.add_argument("-p", dest="params", help="test-backend-ops' -p: a regex over the cases' parameters")
+    ap.add_argument("-j", dest="workers", type=int, default=os.cpu_count() or 1,
+                    help="test-backend-ops' parallel workers (default: the CPU count)")
+    ap.add_argument("--no-fa-vec-slice", action="store_true",
+                    help="skip upstream's forced flash-attention vec sweep (run when FLASH_ATTN_EXT is selected)")
+    ap.add_argument("--list", action="store_true", help="print the runs' arguments, run nothing")
+    args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error("-j must be at least 1")
+    try:
+        filters = select(args.full, args.ops, args.params)
+        dev = device(args.device)
+    except (ValueError, NotImplementedError) as e:
+        ap.error(str(e))
+    if args.list:
+        for name, flt in filters.items():
+            print(name, " ".join(repr(a) for a in flt.args()))
+        return 0
+    exe = build(args.device)
+    start = time.monotonic()
+    summary = run(exe, dev.backend, filters, args.workers, fa_vec_slice=not args.no_fa_vec_slice)
+    print(format_summary(summary, time.monotonic() - start))
+    return 0 if summary.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
