@@ -21,8 +21,11 @@
 #include <vector>
 
 #include "ggml_torch.h"
+#include "metal_graph.h"
 
 namespace ggml_kernels {
+
+using namespace metal_graph;
 
 namespace {
 
@@ -49,35 +52,6 @@ Device& device() {
     return created;
   }();
   return *dev;
-}
-
-// Every tensor `t` depends on, then t: a view after its source, a node after its operands.
-void collect(ggml_tensor* t, std::vector<ggml_tensor*>& order,
-             std::unordered_set<ggml_tensor*>& seen) {
-  if (t == nullptr || !seen.insert(t).second) return;
-  collect(t->view_src, order, seen);
-  for (ggml_tensor* src : t->src) collect(src, order, seen);
-  order.push_back(t);
-}
-
-// "MUL_MAT(Q4_K, F32) -> F32"
-std::string describe(const ggml_tensor* node) {
-  const auto& G = ggml();
-  std::string text = std::string(G.ggml_op_desc(node)) + "(";
-  for (int i = 0; i < GGML_MAX_SRC && node->src[i] != nullptr; ++i)
-    text += (i ? ", " : "") + type_name(node->src[i]->type);
-  return text + ") -> " + type_name(node->type);
-}
-
-// Pre-flight: upstream's supports_op for every node, so that an op ggml-metal has no kernel for is
-// a Python NotImplementedError here, never an assert in its encoder.
-void check_supported(Device& dev, ggml_cgraph* graph) {
-  const auto& G = ggml();
-  for (int i = 0; i < G.ggml_graph_n_nodes(graph); ++i) {
-    const ggml_tensor* node = G.ggml_graph_node(graph, i);
-    TORCH_CHECK_NOT_IMPLEMENTED(G.ggml_backend_supports_op(dev.backend, node),
-                                "ggml-metal has no kernel for ", describe(node));
-  }
 }
 
 // A tensor of the graph that holds host memory (a leaf over a torch tensor, or a result bound to
@@ -114,19 +88,14 @@ void read_back(const HostTensor& h) {
         std::memcpy(h.host + i1 * h.nb[1] + i2 * h.nb[2] + i3 * h.nb[3], src, row);
 }
 
-size_t aligned(size_t n, size_t alignment) { return (n + alignment - 1) / alignment * alignment; }
-
 // Room for every tensor that is not a view, in `order`; returns the offsets and the total.
 std::vector<size_t> place(Device& dev, const std::vector<ggml_tensor*>& order, size_t& total) {
-  const auto& G = ggml();
   std::vector<size_t> offsets(order.size(), 0);
   total = 0;
   for (size_t i = 0; i < order.size(); ++i) {
     if (order[i]->view_src != nullptr) continue;
     offsets[i] = total;
-    const size_t bytes =
-        std::max(G.ggml_nbytes(order[i]), G.ggml_backend_buft_get_alloc_size(dev.buft, order[i]));
-    total += aligned(std::max<size_t>(bytes, 1), dev.alignment);
+    total += aligned(room(dev.buft, order[i]), dev.alignment);
   }
   return offsets;
 }
@@ -158,15 +127,6 @@ struct ReleaseIfBig {
   }
 };
 
-// Puts every tensor back as the graph built it (host pointers, no buffer), so that a later
-// compute of the same Graph starts from host memory again.
-struct Restore {
-  std::vector<std::pair<ggml_tensor*, ggml_tensor>> saved;
-  ~Restore() {
-    for (auto& [t, copy] : saved) *t = copy;
-  }
-};
-
 }  // namespace
 
 const char* backend_name() { return "metal-emu"; }
@@ -186,7 +146,7 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
   const auto& G = ggml();
   Device& dev = device();
   std::lock_guard<std::mutex> lock(dev.mu);
-  check_supported(dev, graph);
+  check_supported(dev.backend, graph);
 
   std::vector<ggml_tensor*> order;
   std::unordered_set<ggml_tensor*> seen;
