@@ -200,7 +200,9 @@ ggml_tensor* Graph::view(const at::Tensor& t) {
   int64_t ne[4];
   size_t nb[4];
   ggml_layout(t, 0, ne, nb);
-  return raw(ggml_type_of(t.scalar_type()), t.data_ptr(), ne, nb);
+  ggml_tensor* g = raw(ggml_type_of(t.scalar_type()), t.data_ptr(), ne, nb);
+  note(g, t);
+  return g;
 }
 
 ggml_tensor* Graph::view(const at::Tensor& t, int64_t index) {
@@ -209,10 +211,12 @@ ggml_tensor* Graph::view(const at::Tensor& t, int64_t index) {
   int64_t ne[4];
   size_t nb[4];
   ggml_layout(t, 1, ne, nb);
-  return raw(ggml_type_of(t.scalar_type()),
-             static_cast<const char*>(t.data_ptr()) +
-                 index * t.stride(0) * static_cast<int64_t>(t.element_size()),
-             ne, nb);
+  ggml_tensor* g = raw(ggml_type_of(t.scalar_type()),
+                       static_cast<const char*>(t.data_ptr()) +
+                           index * t.stride(0) * static_cast<int64_t>(t.element_size()),
+                       ne, nb);
+  note(g, t);
+  return g;
 }
 
 ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t cols) {
@@ -228,6 +232,7 @@ ggml_tensor* Graph::packed(const at::Tensor& blocks, ggml_type type, int64_t col
   g->nb[2] = blocks.dim() == 3 ? static_cast<size_t>(blocks.stride(0)) : g->nb[1] * rows;
   g->nb[3] = g->nb[2] * experts;
   g->data = blocks.data_ptr();
+  note(g, blocks);
   return g;
 }
 
@@ -251,6 +256,7 @@ void Graph::bind(ggml_tensor* result, const at::Tensor& dst) {
   for (int i = 1; i < nd; ++i) result->nb[i] = static_cast<size_t>(dst.stride(nd - 1 - i) * es);
   for (int i = std::max(nd, 1); i < 4; ++i) result->nb[i] = result->nb[i - 1] * result->ne[i - 1];
   result->data = dst.data_ptr();
+  note(result, dst);
 }
 
 void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int n_threads) {
@@ -276,6 +282,7 @@ void Graph::compute(ggml_tensor* result, const at::Tensor& dst, int64_t index, i
                 " does not match the graph result");
   }
   if (dst.numel() == 0) return;
+  note(result, dst);
   compute(result,
           static_cast<char*>(dst.data_ptr()) +
               index * dst.stride(0) * static_cast<int64_t>(dst.element_size()),
@@ -327,8 +334,11 @@ Rows::Rows(const at::Tensor& t) : n_(t.dim() == 0 ? 1 : t.size(-1)) {
 
 ggml_tensor* Rows::view(Graph& g, int64_t r0, int64_t r1) const {
   const int64_t m = r1 - r0;
-  return g.raw(type_, data_ + static_cast<size_t>(r0) * stride_, {n_, m, 1, 1},
-               {es_, stride_, stride_ * static_cast<size_t>(m), stride_ * static_cast<size_t>(m)});
+  ggml_tensor* v =
+      g.raw(type_, data_ + static_cast<size_t>(r0) * stride_, {n_, m, 1, 1},
+            {es_, stride_, stride_ * static_cast<size_t>(m), stride_ * static_cast<size_t>(m)});
+  g.note(v, keep_);
+  return v;
 }
 
 void Rows::compute(Graph& g, ggml_tensor* result, int64_t r0, int64_t r1) const {
@@ -337,6 +347,7 @@ void Rows::compute(Graph& g, ggml_tensor* result, int64_t r0, int64_t r1) const 
                   result->ne[2] == 1 && result->ne[3] == 1,
               "ggml-kernels: a graph result does not match its ", m, " output rows of ", n_);
   if (m == 0 || n_ == 0) return;
+  g.note(result, keep_);
   g.compute(result, data_ + static_cast<size_t>(r0) * stride_,
             {es_, stride_, stride_ * static_cast<size_t>(m), stride_ * static_cast<size_t>(m)});
 }

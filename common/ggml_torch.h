@@ -78,6 +78,9 @@ struct GraphMemory {
   static constexpr size_t kKeptBytes = size_t{1} << 26;  // 64 MiB
   size_t scratch_used = 0;
   std::vector<at::Tensor> keep_alive;
+  // MPS builds: the torch tensor each leaf and bound result lies in (Graph::note), whose own Metal
+  // buffer the backend binds (metal/mps/mps_backend.cpp). Empty in other builds.
+  std::vector<std::pair<ggml_tensor*, at::Tensor>> tensors;
 };
 
 namespace backend {
@@ -119,6 +122,17 @@ class Graph {
   // paths that would otherwise build several torch views (select, narrow, permute) per slice only
   // to describe a strided block: each torch view op costs about a microsecond.
   ggml_tensor* raw(ggml_type type, const void* data, const int64_t (&ne)[4], const size_t (&nb)[4]);
+  // Records that `g` (a leaf, or a result) lies in t's memory: `g->data` is t.data_ptr() plus a
+  // byte offset. The views above and bind() note their tensors; a caller of raw() over a torch
+  // tensor's memory notes it. Only MPS builds keep it (an MPS tensor's data pointer is no address:
+  // the backend binds t's own Metal buffer); elsewhere it costs nothing.
+  void note(ggml_tensor* g, const at::Tensor& t) {
+#ifdef GGML_KERNELS_BACKEND_MPS
+    memory_.tensors.emplace_back(g, t);
+#else
+    (void)g, (void)t;
+#endif
+  }
 
   // Computes `result` straight into `dst`, a float32 tensor of the result's shape (dims reversed)
   // whose last dim is dense; other strides may be anything, e.g. a column slice of a bigger output.
