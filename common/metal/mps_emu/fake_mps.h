@@ -1,0 +1,73 @@
+// The fake Metal framework's own C++ API (Linux only): what the twin's glue, tests and the fake
+// MPS stream call besides Metal itself (which they reach through metal-cpp, as on a Mac).
+//
+// The framework registers Objective-C classes with the GNU runtime (libobjc4) whose methods record
+// every call, check what a real Metal runtime refuses, and run each committed dispatch on the
+// emulated device (emu_runtime.h). A refusal is a `fake_metal::Misuse` exception thrown out of the
+// offending metal-cpp call: a caller turns it into a Python error; nothing aborts.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace MTL {
+class Buffer;
+}
+
+namespace fake_metal {
+
+// What a real Metal runtime refuses (its validation layer asserts, or the process crashes or
+// deadlocks): encoder used after endEncoding, argument index over 30, threadgroup memory over the
+// device's limit, an object released twice or messaged after its release, a selector the fake does
+// not implement, a re-entrant dispatch onto the stream's queue, ...
+class Misuse : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The device's limits (an Apple7+-like GPU, as the emulated device's properties).
+constexpr size_t kMaxThreadgroupMemory = 32768;
+constexpr size_t kBufferSlots = 31;          // argument indices 0..30
+constexpr size_t kMaxSetBytesLength = 4096;  // setBytes is for small constant data
+constexpr size_t kMaxThreadsPerThreadgroup = 1024;
+
+// An MTL::Buffer over `length` bytes of host memory the caller owns (on a Mac, an MPS tensor's
+// storage data() *is* its id<MTLBuffer>). Returned retained (+1): the caller releases it; the
+// memory must outlive every command buffer that uses it. `private_storage`: like an MPS tensor's
+// buffer, contents() is nullptr (the host cannot read private GPU memory); dispatches still run on
+// the memory.
+MTL::Buffer* wrap_host_memory(void* data, size_t length, bool private_storage = true);
+
+// Every message the fake received since the last reset, one line each:
+// "-[MTLBuffer contents]", "+[NSString stringWithCString:encoding:] \"name\"", ...
+std::vector<std::string> calls();
+void reset_calls();
+
+// One committed dispatch as it ran.
+struct DispatchRecord {
+  std::string kernel;
+  std::map<int32_t, int32_t> constants;
+  uint32_t grid[3], threads[3];
+  std::map<int, size_t> buffer_offsets;      // argument index -> offset in its buffer
+  std::map<int, size_t> bytes_lengths;       // argument index -> setBytes length
+  std::map<int, size_t> threadgroup_memory;  // threadgroup index -> bytes
+};
+std::vector<DispatchRecord> dispatches();
+void reset_dispatches();
+
+// Objects alive now, by class ("MTLBuffer": 2, ...). Taken before and after a call, the difference
+// is what the call leaked (autoreleased objects count until their pool drains).
+std::map<std::string, int> live_objects();
+// Throws Misuse naming the classes whose counts grew since `before` ("leaked across a call").
+void check_no_leaks(const std::map<std::string, int>& before, const char* what);
+
+// The hash (FNV-1a, 64 bits) of the source text of the last library made with
+// newLibraryWithSource, and how many were made.
+uint64_t last_library_source_hash();
+int libraries_made();
+
+}  // namespace fake_metal
