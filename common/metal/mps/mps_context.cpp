@@ -1,8 +1,10 @@
 // The backend context of upstream's ggml-metal-context.h (upstream: Objective-C over command
 // queues of its own) on torch's MPS stream: a graph is encoded by upstream's ggml_metal_op_* on the
 // stream's compute command encoder, inside the stream's serial queue, and left for torch to commit,
-// so it runs in order with torch's own work on that stream. Plus the layer's C API.
+// so it runs in order with torch's own work on that stream. Plus the dispatch log and the C API of
+// metal_device_api.h.
 #include <Metal/Metal.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -14,8 +16,99 @@
 #include "ggml-metal-context.h"
 #include "ggml-metal-fusion.h"
 #include "ggml-metal-ops.h"
+#include "metal_device_api.h"
 #include "mps_device.h"
 #include "mps_platform.h"
+
+namespace ggml_kernels::mps {
+
+DispatchLog& DispatchLog::instance() {
+  static DispatchLog* log = new DispatchLog();  // outlives every encoder
+  return *log;
+}
+
+void DispatchLog::add(const DispatchRecord& d) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (records_.size() < kMaxRecords) records_.push_back(d);
+  threadgroups_[d.pipeline->kernel] += int64_t{d.grid[0]} * d.grid[1] * d.grid[2];
+}
+
+void DispatchLog::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  records_.clear();
+  threadgroups_.clear();
+}
+
+namespace {
+
+void append_json_string(std::string& out, const std::string& s) {
+  out += '"';
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  out += '"';
+}
+
+template <typename Map, typename Value>
+void append_json_map(std::string& out, const char* key, const Map& map, const Value& value) {
+  out += std::string(",\"") + key + "\":{";
+  bool first = true;
+  for (const auto& [idx, v] : map) {
+    out += (first ? "\"" : ",\"") + std::to_string(idx) + "\":" + value(v);
+    first = false;
+  }
+  out += "}";
+}
+
+// The emulated device's record format; a buffer is numbered by its first appearance in the log.
+std::string record_json(const DispatchRecord& d, std::map<const MTL::Buffer*, int>& ids) {
+  std::string j = "{\"kernel\":";
+  append_json_string(j, d.pipeline->kernel);
+  j += ",\"pipeline\":";
+  append_json_string(j, d.pipeline->name);
+  j += ",\"grid\":[" + std::to_string(d.grid[0]) + "," + std::to_string(d.grid[1]) + "," +
+       std::to_string(d.grid[2]) + "],\"threads\":[" + std::to_string(d.threads[0]) + "," +
+       std::to_string(d.threads[1]) + "," + std::to_string(d.threads[2]) + "]";
+  append_json_map(j, "constants", d.pipeline->constants,
+                  [](const Constant& c) { return std::to_string(c.value); });
+  append_json_map(j, "threadgroup_memory", d.threadgroup_memory,
+                  [](size_t n) { return std::to_string(n); });
+  std::map<int, std::string> args;
+  for (const auto& [idx, b] : d.buffers) {
+    const int id = ids.emplace(b.first, static_cast<int>(ids.size()) + 1).first->second;
+    args[idx] = "[" + std::to_string(id) + "," + std::to_string(b.second) + "]";
+  }
+  for (const auto& [idx, n] : d.bytes) args[idx] = "{\"bytes\":" + std::to_string(n) + "}";
+  append_json_map(j, "buffers", args, [](const std::string& v) { return v; });
+  return j + "}";
+}
+
+}  // namespace
+
+std::string DispatchLog::records_json() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::map<const MTL::Buffer*, int> ids;
+  std::string text = "[";
+  for (const DispatchRecord& d : records_) {
+    if (text.size() > 1) text += ",";
+    text += record_json(d, ids);
+  }
+  return text + "]";
+}
+
+std::string DispatchLog::threadgroups_json() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::string text = "{";
+  for (const auto& [kernel, count] : threadgroups_) {
+    if (text.size() > 1) text += ",";
+    append_json_string(text, kernel);
+    text += ":" + std::to_string(count);
+  }
+  return text + "}";
+}
+
+}  // namespace ggml_kernels::mps
 
 struct ggml_metal {
   ggml_metal_device_t dev = nullptr;
@@ -134,10 +227,29 @@ bool ggml_metal_supports_family(ggml_metal_t ctx, int family) {
 }
 void ggml_metal_capture_next_compute(ggml_metal_t) {}
 
-// The message of the last failed graph compute on this thread ("" when none): the same C API as
-// the emulated device's (metal_emu_api.h), so the backends' glue reads it alike.
-__attribute__((visibility("default"))) const char* gk_metal_last_error(void) {
-  return ggml_kernels::mps::last_error().c_str();
+// ---- the C API of metal_device_api.h ----
+
+namespace {
+size_t copy_out(const std::string& text, char* out, size_t capacity) {
+  if (out != nullptr && capacity > 0) {
+    const size_t n = std::min(capacity - 1, text.size());
+    std::memcpy(out, text.data(), n);
+    out[n] = '\0';
+  }
+  return text.size();
 }
+}  // namespace
+
+size_t gk_metal_dispatches_json(char* out, size_t capacity) {
+  return copy_out(ggml_kernels::mps::DispatchLog::instance().records_json(), out, capacity);
+}
+
+size_t gk_metal_threadgroups_json(char* out, size_t capacity) {
+  return copy_out(ggml_kernels::mps::DispatchLog::instance().threadgroups_json(), out, capacity);
+}
+
+void gk_metal_dispatches_reset(void) { ggml_kernels::mps::DispatchLog::instance().reset(); }
+
+const char* gk_metal_last_error(void) { return ggml_kernels::mps::last_error().c_str(); }
 
 }  // extern "C"

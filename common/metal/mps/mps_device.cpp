@@ -310,6 +310,7 @@ struct ggml_metal_pipeline_with_params ggml_metal_library_compile_pipeline(ggml_
   if (slot == nullptr) {
     auto pipeline = std::make_unique<ggml_metal_pipeline>();
     pipeline->kernel = base;
+    pipeline->name = name;
     pipeline->constants = constants;
     pipeline->obj = new_pipeline_state(lib, base, name, cv);
     slot = pipeline.release();
@@ -326,6 +327,7 @@ struct ggml_metal_pipeline_with_params ggml_metal_library_compile_pipeline(ggml_
 
 struct ggml_metal_encoder {
   MTL::ComputeCommandEncoder* obj = nullptr;
+  ggml_kernels::mps::DispatchRecord next;  // the arguments set for the next dispatch
 };
 
 ggml_metal_encoder_t ggml_metal_encoder_init(ggml_metal_cmd_buf_t cmd_buf, bool) {
@@ -343,26 +345,37 @@ void ggml_metal_encoder_set_pipeline(ggml_metal_encoder_t encoder,
                                      struct ggml_metal_pipeline_with_params pipeline) {
   if (pipeline.pipeline == nullptr) fail("ggml-kernels MPS: a dispatch without a pipeline");
   encoder->obj->setComputePipelineState(pipeline.pipeline->obj);
+  encoder->next.pipeline = pipeline.pipeline;
 }
 
 void ggml_metal_encoder_set_bytes(ggml_metal_encoder_t encoder, void* data, size_t size, int idx) {
   encoder->obj->setBytes(data, size, idx);
+  encoder->next.buffers.erase(idx);
+  encoder->next.bytes[idx] = size;
 }
 
 void ggml_metal_encoder_set_buffer(ggml_metal_encoder_t encoder, struct ggml_metal_buffer_id buffer,
                                    int idx) {
-  encoder->obj->setBuffer(static_cast<MTL::Buffer*>(buffer.metal), buffer.offs, idx);
+  auto* mtl = static_cast<MTL::Buffer*>(buffer.metal);
+  encoder->obj->setBuffer(mtl, buffer.offs, idx);
+  encoder->next.bytes.erase(idx);
+  encoder->next.buffers[idx] = {mtl, buffer.offs};
 }
 
 void ggml_metal_encoder_set_threadgroup_memory_size(ggml_metal_encoder_t encoder, size_t size,
                                                     int idx) {
   if (size % 16 != 0) fail("ggml-kernels MPS: threadgroup memory not a multiple of 16 bytes");
   encoder->obj->setThreadgroupMemoryLength(size, idx);
+  encoder->next.threadgroup_memory[idx] = size;
 }
 
 void ggml_metal_encoder_dispatch_threadgroups(ggml_metal_encoder_t encoder, int tg0, int tg1,
                                               int tg2, int tptg0, int tptg1, int tptg2) {
   encoder->obj->dispatchThreadgroups(MTL::Size(tg0, tg1, tg2), MTL::Size(tptg0, tptg1, tptg2));
+  ggml_kernels::mps::DispatchRecord& d = encoder->next;
+  d.grid[0] = tg0, d.grid[1] = tg1, d.grid[2] = tg2;
+  d.threads[0] = tptg0, d.threads[1] = tptg1, d.threads[2] = tptg2;
+  ggml_kernels::mps::DispatchLog::instance().add(d);
 }
 
 void ggml_metal_encoder_memory_barrier(ggml_metal_encoder_t encoder) {

@@ -54,6 +54,34 @@ using Constants = std::map<int32_t, Constant>;
 // The message of the last failure of this layer on this thread ("" when none).
 std::string& last_error();
 
+// One dispatch as upstream's host code encoded it, for the dispatch log of metal_device_api.h's
+// C API (what tests compare with the emulated device's choices).
+struct DispatchRecord {
+  const ggml_metal_pipeline* pipeline = nullptr;
+  int grid[3] = {0, 0, 0};
+  int threads[3] = {0, 0, 0};
+  std::map<int, std::pair<const MTL::Buffer*, size_t>> buffers;  // argument index -> (buffer, offset)
+  std::map<int, size_t> bytes;               // argument index -> setBytes length
+  std::map<int, size_t> threadgroup_memory;  // threadgroup index -> bytes
+};
+
+// The dispatches since the last reset: the first kMaxRecords in full, threadgroups per kernel of
+// all (a model's run makes many more).
+class DispatchLog {
+ public:
+  static constexpr size_t kMaxRecords = 20000;
+  static DispatchLog& instance();
+  void add(const DispatchRecord& d);
+  std::string records_json() const;
+  std::string threadgroups_json() const;
+  void reset();
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<DispatchRecord> records_;
+  std::map<std::string, int64_t> threadgroups_;
+};
+
 }  // namespace ggml_kernels::mps
 
 struct ggml_metal_cv {
@@ -64,6 +92,7 @@ struct ggml_metal_cv {
 struct ggml_metal_pipeline {
   MTL::ComputePipelineState* obj = nullptr;
   std::string kernel;  // the [[host_name]] it was built from
+  std::string name;    // upstream's: kernel and constant values
   ggml_kernels::mps::Constants constants;
 };
 

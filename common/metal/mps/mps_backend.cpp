@@ -1,0 +1,274 @@
+// The MPS backend of the packages' ggml graphs: upstream's ggml-metal backend, whose host code
+// chooses every kernel, grid, function constant and threadgroup memory size, over the MPS device
+// layer of the runtime library (mps_device.cpp, mps_context.cpp), on torch's current MPS stream.
+//
+// Nothing is uploaded or read back. Each torch storage a graph's leaves and results lie in
+// (Graph::note) is wrapped once, without a copy, as a ggml backend buffer over its own Metal buffer
+// (ggml_backend_dev_buffer_from_host_ptr with the MTL::Buffer*: mps_device.cpp's
+// ggml_metal_buffer_map), and the tensors are placed at their byte offsets in it, so two views of
+// one storage share addresses as upstream's concurrency checks expect. The other nodes get room in
+// one byte tensor from torch's allocator, wrapped the same way; so does a result whose memory
+// cannot take it in place (strided, or an op that keeps scratch data after its result), which
+// torch then copies to its place on the same stream. The graph is encoded on the stream after
+// torch's pending work and before what follows; nothing waits, unless the tensors are host memory
+// (the Linux twin's stand-ins for MPS tensors), which must hold their values when the op returns.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "ggml_torch.h"
+#include "metal_graph.h"
+#include "mps_platform.h"
+
+#ifndef GGML_KERNELS_MPS_RUNTIME  // the build names the runtime library of its platform
+#define GGML_KERNELS_MPS_RUNTIME "libggml-kernels-metal.dylib"
+#endif
+
+namespace ggml_kernels {
+
+using namespace metal_graph;
+
+namespace {
+
+// ggml-backend functions the other backends do not call, resolved from the runtime at load.
+struct MpsApi {
+  decltype(&::ggml_backend_get_device) get_device = nullptr;
+  decltype(&::ggml_backend_dev_buffer_from_host_ptr) buffer_from_host_ptr = nullptr;
+};
+MpsApi g_mps_api;
+
+struct Device {
+  std::mutex mu;  // one graph at a time: the layer encodes on one stream
+  ggml_backend_t backend = nullptr;
+  ggml_backend_dev_t dev = nullptr;
+  ggml_backend_buffer_type_t buft = nullptr;
+  size_t alignment = 0;
+  size_t max_size = 0;  // the largest buffer the device holds
+};
+
+Device& device() {
+  static Device* dev = [] {
+    const auto& G = ggml();
+    auto* created = new Device();  // lives for the whole process
+    created->backend = G.ggml_backend_metal_init();
+    TORCH_CHECK(created->backend != nullptr, "ggml-kernels: ggml_backend_metal_init() failed: ",
+                G.gk_metal_last_error());
+    created->dev = g_mps_api.get_device(created->backend);
+    created->buft = G.ggml_backend_get_default_buffer_type(created->backend);
+    created->alignment = G.ggml_backend_buft_get_alignment(created->buft);
+    created->max_size = G.ggml_backend_buft_get_max_size(created->buft);
+    return created;
+  }();
+  return *dev;
+}
+
+// The ggml backend buffers wrapping one graph's torch storages, freed when the graph is encoded
+// (the stream keeps the Metal buffers it was given; torch keeps the storages, `keep` here the
+// scratch and copies, until then).
+struct Wrapped {
+  std::map<MTL::Buffer*, ggml_backend_buffer_t> buffers;
+  std::vector<at::Tensor> keep;
+  ~Wrapped() {
+    for (auto& [mtl, buffer] : buffers) ggml().ggml_backend_buffer_free(buffer);
+  }
+
+  // The device address of byte `offset` of t's storage (its buffer wrapped on first use).
+  char* address(Device& dev, const at::Tensor& t, size_t offset) {
+    MTL::Buffer* mtl = mps::tensor_buffer(t);
+    ggml_backend_buffer_t& buffer = buffers[mtl];
+    if (buffer == nullptr) {
+      const size_t size = t.storage().nbytes();
+      buffer = g_mps_api.buffer_from_host_ptr(dev.dev, mtl, size, size);
+      TORCH_CHECK(buffer != nullptr, "ggml-kernels MPS: could not wrap a ", size,
+                  "-byte MPS storage as a Metal buffer");
+    }
+    return static_cast<char*>(ggml().ggml_backend_buffer_get_base(buffer)) + offset;
+  }
+};
+
+c10::ScalarType torch_dtype(ggml_type type) {
+  switch (type) {
+    case GGML_TYPE_F32:
+      return at::kFloat;
+    case GGML_TYPE_F16:
+      return at::kHalf;
+    case GGML_TYPE_BF16:
+      return at::kBFloat16;
+    case GGML_TYPE_I32:
+      return at::kInt;
+    default:
+      TORCH_CHECK(false, "ggml-kernels MPS: a graph result of type ", type_name(type),
+                  " cannot be copied to its output");
+  }
+}
+
+// ggml's ne/nb (fastest first, bytes) as torch sizes/strides (slowest first, elements).
+void torch_layout(const ggml_tensor* g, std::vector<int64_t>& sizes, std::vector<int64_t>& strides) {
+  const int64_t es = static_cast<int64_t>(ggml().ggml_type_size(g->type));
+  sizes.clear(), strides.clear();
+  for (int i = 3; i >= 0; --i) {
+    sizes.push_back(g->ne[i]);
+    strides.push_back(static_cast<int64_t>(g->nb[i]) / es);
+  }
+}
+
+bool dense(const ggml_tensor* g) {
+  const auto& G = ggml();
+  size_t expected = G.ggml_type_size(g->type);
+  if (g->nb[0] != expected) return false;
+  expected = G.ggml_row_size(g->type, g->ne[0]);
+  for (int i = 1; i < 4; ++i) {
+    if (g->ne[i] > 1 && g->nb[i] != expected) return false;
+    expected *= static_cast<size_t>(g->ne[i]);
+  }
+  return true;
+}
+
+// Where each tensor of the graph goes: its own torch storage, or the scratch tensor.
+struct Placement {
+  std::unordered_map<ggml_tensor*, at::Tensor> owner;  // tensor -> the torch tensor it lies in
+  std::vector<std::pair<ggml_tensor*, size_t>> scratch;  // tensor -> offset in the scratch
+  std::vector<std::pair<ggml_tensor*, at::Tensor>> copies;  // results computed in the scratch
+  size_t scratch_bytes = 0;
+  at::TensorOptions options;  // of the graph's tensors: where the scratch is made
+};
+
+size_t byte_offset(const ggml_tensor* g, const at::Tensor& t) {
+  return static_cast<size_t>(static_cast<const char*>(g->data) -
+                             static_cast<const char*>(t.data_ptr()));
+}
+
+// Whether `g` can be computed or read right where it lies in t's storage.
+bool fits_in_place(Device& dev, ggml_tensor* g, const at::Tensor& t, bool result) {
+  const size_t at_byte = mps::tensor_offset(t) + byte_offset(g, t);
+  const size_t bytes = result ? room(dev.buft, g) : ggml().ggml_nbytes(g);
+  return (!result || dense(g)) && at_byte + bytes <= t.storage().nbytes();
+}
+
+Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory& memory,
+                const std::unordered_set<ggml_tensor*>& results) {
+  Placement p;
+  std::unordered_map<ggml_tensor*, at::Tensor> noted(memory.tensors.begin(), memory.tensors.end());
+  TORCH_CHECK(!noted.empty(), "ggml-kernels MPS: a graph with no torch tensor in it");
+  p.options = noted.begin()->second.options().dtype(at::kByte);
+  for (ggml_tensor* g : order) {
+    if (g->view_src != nullptr) continue;  // placed with its source
+    const bool result = results.count(g) > 0;
+    auto it = noted.find(g);
+    if (it == noted.end()) {
+      TORCH_CHECK(g->data == nullptr,
+                  "ggml-kernels MPS: a graph leaf over memory of no noted torch tensor "
+                  "(Graph::raw without Graph::note)");
+    } else if (fits_in_place(dev, g, it->second, result)) {
+      p.owner.emplace(g, it->second);
+      continue;
+    } else {
+      TORCH_CHECK(result, "ggml-kernels MPS: a graph leaf reaches past its tensor's storage");
+      std::vector<int64_t> sizes, strides;
+      torch_layout(g, sizes, strides);
+      const at::Tensor& t = it->second;
+      const int64_t es = t.element_size();
+      p.copies.emplace_back(g, t.as_strided(sizes, strides,
+                                            t.storage_offset() + byte_offset(g, t) / es));
+    }
+    p.scratch.emplace_back(g, p.scratch_bytes);
+    p.scratch_bytes += aligned(room(dev.buft, g), dev.alignment);
+  }
+  return p;
+}
+
+void alloc(ggml_backend_buffer_t buffer, ggml_tensor* g, char* address) {
+  g->data = nullptr;
+  g->buffer = nullptr;
+  TORCH_CHECK(ggml().ggml_backend_tensor_alloc(buffer, g, address) == GGML_STATUS_SUCCESS,
+              "ggml-kernels MPS: could not place a tensor in its Metal buffer");
+}
+
+// A dense torch view of a result computed at byte `offset` of the scratch tensor.
+at::Tensor scratch_view(const at::Tensor& scratch, size_t offset, const ggml_tensor* g) {
+  std::vector<int64_t> sizes, strides;
+  torch_layout(g, sizes, strides);
+  const auto bytes = static_cast<int64_t>(ggml().ggml_nbytes(g));
+  return scratch.narrow(0, static_cast<int64_t>(offset), bytes)
+      .view(torch_dtype(g->type))
+      .view(sizes);
+}
+
+}  // namespace
+
+const char* backend_name() { return "metal"; }
+
+backend::Loaded backend::load(GgmlApi& api) {
+  const std::string path = this_library_dir() + "/" + GGML_KERNELS_MPS_RUNTIME;
+  TORCH_CHECK(file_exists(path), "ggml-kernels: the Metal runtime ", path,
+              " is missing (this build is incomplete)");
+  std::string error;
+  void* handle = open_runtime(path, Functions::Metal, api, error);
+  TORCH_CHECK(handle != nullptr, "ggml-kernels: cannot load the Metal runtime ", path, ": ", error);
+  g_mps_api.get_device =
+      reinterpret_cast<decltype(g_mps_api.get_device)>(dlsym(handle, "ggml_backend_get_device"));
+  g_mps_api.buffer_from_host_ptr = reinterpret_cast<decltype(g_mps_api.buffer_from_host_ptr)>(
+      dlsym(handle, "ggml_backend_dev_buffer_from_host_ptr"));
+  TORCH_CHECK(g_mps_api.get_device != nullptr && g_mps_api.buffer_from_host_ptr != nullptr,
+              "ggml-kernels: ", path, " lacks ggml-backend's device buffer functions");
+  return {path, ""};
+}
+
+void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t count, int,
+                        GraphMemory& memory) {
+  const auto& G = ggml();
+  Device& dev = device();
+  std::lock_guard<std::mutex> lock(dev.mu);
+  check_supported(dev.backend, graph);
+
+  std::vector<ggml_tensor*> order;
+  std::unordered_set<ggml_tensor*> seen;
+  for (size_t i = 0; i < count; ++i) collect(results[i], order, seen);
+  Restore restore;
+  for (ggml_tensor* t : order) restore.saved.emplace_back(t, *t);
+  const Placement p = place(dev, order, memory, {results, results + count});
+  TORCH_CHECK_VALUE(p.scratch_bytes <= dev.max_size, "ggml-metal: this call needs ",
+                    p.scratch_bytes, " bytes of device memory for its intermediate results; the ",
+                    "device's buffers hold at most ", dev.max_size);
+
+  Wrapped wrapped;
+  at::Tensor scratch;
+  if (p.scratch_bytes > 0) {
+    scratch = at::empty({static_cast<int64_t>(p.scratch_bytes)}, p.options);
+    wrapped.keep.push_back(scratch);
+  }
+  std::unordered_map<ggml_tensor*, size_t> scratch_at(p.scratch.begin(), p.scratch.end());
+  for (ggml_tensor* g : order) {
+    if (g->view_src != nullptr) {
+      g->data = nullptr;
+      g->buffer = nullptr;
+      TORCH_CHECK(G.ggml_backend_view_init(g) == GGML_STATUS_SUCCESS,
+                  "ggml-kernels MPS: could not place a view in its Metal buffer");
+    } else if (auto own = p.owner.find(g); own != p.owner.end()) {
+      const at::Tensor& t = own->second;
+      char* address = wrapped.address(dev, t, mps::tensor_offset(t) + byte_offset(g, t));
+      alloc(wrapped.buffers[mps::tensor_buffer(t)], g, address);
+    } else {
+      char* address = wrapped.address(dev, scratch, mps::tensor_offset(scratch) + scratch_at[g]);
+      alloc(wrapped.buffers[mps::tensor_buffer(scratch)], g, address);
+    }
+  }
+
+  const ggml_status status = G.ggml_backend_graph_compute(dev.backend, graph);
+  TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-metal: the graph failed (status ",
+              static_cast<int>(status), "): ", G.gk_metal_last_error());
+  const bool host_memory = !p.options.device().is_mps();
+  if (host_memory && !p.copies.empty()) mps::synchronize();
+  for (const auto& [g, out] : p.copies) out.copy_(scratch_view(scratch, scratch_at.at(g), g));
+  if (host_memory) mps::synchronize();
+}
+
+}  // namespace ggml_kernels
