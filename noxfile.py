@@ -9,6 +9,7 @@
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
     nox -s demo                       # the main job (README)
     nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
+    nox -s upstream-ops               # llama.cpp's test-backend-ops on the emulated Metal device (-- --full)
 
 Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle wheel are cached in
 ~/.cache/ggml-kernels (GGML_KERNELS_CACHE), so nothing already built is built again.
@@ -219,3 +220,12 @@ def bench(session: nox.Session) -> None:
                             silent=True, env=env)
         (out / f"{package}.md").write_text(table)
         print(table)
+
+
+@nox.session(name="upstream-ops")
+def upstream_ops(session: nox.Session) -> None:
+    """llama.cpp's own op suite, test-backend-ops from the pinned sources, on the emulated Metal device
+    (tools/build/upstream_ops.py, docs/metal.md): the CI filter set, a summary per op, failing on any
+    failure. -- --full: every case (hours); -- -o OPS -p REGEX: a selection; --device: the device library."""
+    _install(session, TORCH[0])
+    session.run("python", "-m", "tools.build.upstream_ops", *session.posargs, env=_env(session))
