@@ -168,7 +168,8 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
         obj = work / "obj" / (src.relative_to(REPO).as_posix().replace("/", "_") + ".o")
         n.build(obj, "cxx", src, variables={"flags": ninja.quote(flags)})
         objs.append(obj)
-    for src, rule in ((COMMON / "glibc_compat.c", "cc"), (COMMON / "glibcxx_compat.cpp", "cxx")):
+    compat_sources = {COMMON / "glibc_compat.c": "cc", COMMON / "glibcxx_compat.cpp": "cxx"}
+    for src, rule in compat_sources.items():
         obj = work / "obj" / (src.name + ".o")
         n.build(obj, rule, src, variables={"flags": ninja.quote(CXXFLAGS)})
         objs.append(obj)
@@ -177,7 +178,7 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
     ldflags += sanitize.link_flags()
     n.build(so, "link", objs, variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
-    extension_cache.build(so, work, n, pkg, jobs)
+    extension_cache.build(so, work, n, [*compiled, *compat_sources], jobs)
 
     out = pkg / kind.folder / variant
     glue = python_glue(kind)
