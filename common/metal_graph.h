@@ -1,7 +1,7 @@
 // What the packages' Metal backends (metal/metal_backend.cpp on the emulated device,
-// metal/mps/mps_backend.cpp on torch's MPS stream) do alike with a graph before and after upstream's
-// ggml-metal backend runs it: order its tensors, refuse an op upstream has no kernel for, restore
-// the tensors afterwards.
+// metal/mps/mps_backend.cpp on torch's MPS stream) do alike with a graph before and after
+// upstream's ggml-metal backend runs it: order its tensors, refuse an op upstream has no kernel
+// for, restore the tensors afterwards.
 #pragma once
 
 #include <c10/util/Exception.h>

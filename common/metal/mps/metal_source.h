@@ -8,8 +8,8 @@
 namespace ggml_kernels::metal_source {
 
 struct Kind {
-  const char* name;               // upstream's file name without ".metal" ("norm", "mul_mv")
-  const char* const* segments;    // the source is their concatenation, in order
+  const char* name;             // upstream's file name without ".metal" ("norm", "mul_mv")
+  const char* const* segments;  // the source is their concatenation, in order
   int count;
 };
 

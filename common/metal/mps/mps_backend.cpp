@@ -59,8 +59,8 @@ Device& device() {
     const auto& G = ggml();
     auto* created = new Device();  // lives for the whole process
     created->backend = G.ggml_backend_metal_init();
-    TORCH_CHECK(created->backend != nullptr, "ggml-kernels: ggml_backend_metal_init() failed: ",
-                G.gk_metal_last_error());
+    TORCH_CHECK(created->backend != nullptr,
+                "ggml-kernels: ggml_backend_metal_init() failed: ", G.gk_metal_last_error());
     created->dev = g_mps_api.get_device(created->backend);
     created->buft = G.ggml_backend_get_default_buffer_type(created->backend);
     created->alignment = G.ggml_backend_buft_get_alignment(created->buft);
@@ -96,14 +96,10 @@ struct Wrapped {
 
 c10::ScalarType torch_dtype(ggml_type type) {
   switch (type) {
-    case GGML_TYPE_F32:
-      return at::kFloat;
-    case GGML_TYPE_F16:
-      return at::kHalf;
-    case GGML_TYPE_BF16:
-      return at::kBFloat16;
-    case GGML_TYPE_I32:
-      return at::kInt;
+    case GGML_TYPE_F32: return at::kFloat;
+    case GGML_TYPE_F16: return at::kHalf;
+    case GGML_TYPE_BF16: return at::kBFloat16;
+    case GGML_TYPE_I32: return at::kInt;
     default:
       TORCH_CHECK(false, "ggml-kernels MPS: a graph result of type ", type_name(type),
                   " cannot be copied to its output");
@@ -111,7 +107,8 @@ c10::ScalarType torch_dtype(ggml_type type) {
 }
 
 // ggml's ne/nb (fastest first, bytes) as torch sizes/strides (slowest first, elements).
-void torch_layout(const ggml_tensor* g, std::vector<int64_t>& sizes, std::vector<int64_t>& strides) {
+void torch_layout(const ggml_tensor* g, std::vector<int64_t>& sizes,
+                  std::vector<int64_t>& strides) {
   const int64_t es = static_cast<int64_t>(ggml().ggml_type_size(g->type));
   sizes.clear(), strides.clear();
   for (int i = 3; i >= 0; --i) {
@@ -134,8 +131,8 @@ bool dense(const ggml_tensor* g) {
 
 // Where each tensor of the graph goes: its own torch storage, or the scratch tensor.
 struct Placement {
-  std::unordered_map<ggml_tensor*, at::Tensor> owner;  // tensor -> the torch tensor it lies in
-  std::vector<std::pair<ggml_tensor*, size_t>> scratch;  // tensor -> offset in the scratch
+  std::unordered_map<ggml_tensor*, at::Tensor> owner;       // tensor -> the torch tensor it lies in
+  std::vector<std::pair<ggml_tensor*, size_t>> scratch;     // tensor -> offset in the scratch
   std::vector<std::pair<ggml_tensor*, at::Tensor>> copies;  // results computed in the scratch
   size_t scratch_bytes = 0;
   at::TensorOptions options;  // of the graph's tensors: where the scratch is made
@@ -176,8 +173,8 @@ Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory
       torch_layout(g, sizes, strides);
       const at::Tensor& t = it->second;
       const int64_t es = t.element_size();
-      p.copies.emplace_back(g, t.as_strided(sizes, strides,
-                                            t.storage_offset() + byte_offset(g, t) / es));
+      p.copies.emplace_back(
+          g, t.as_strided(sizes, strides, t.storage_offset() + byte_offset(g, t) / es));
     }
     p.scratch.emplace_back(g, p.scratch_bytes);
     p.scratch_bytes += aligned(room(dev.buft, g), dev.alignment);

@@ -136,10 +136,9 @@ struct GraphEncoding {
     ggml_metal_command_buffer cmd_buf{encoder};
     ggml_metal_op_t op = nullptr;
     try {
-      op = ggml_metal_op_init(ctx->dev, &cmd_buf, graph,
-                              ggml_metal_device_get_fusion_info(ctx->dev), 0,
-                              ggml_graph_n_nodes(graph), ctx->use_concurrency, false,
-                              ctx->debug_graph);
+      op = ggml_metal_op_init(
+          ctx->dev, &cmd_buf, graph, ggml_metal_device_get_fusion_info(ctx->dev), 0,
+          ggml_graph_n_nodes(graph), ctx->use_concurrency, false, ctx->debug_graph);
       for (int idx = 0; idx < ggml_metal_op_n_nodes(op);) {
         const int consumed = ggml_metal_op_encode(op, idx);
         if (consumed == 0) break;
@@ -157,7 +156,8 @@ struct GraphEncoding {
 // The bytes of a tensor in a buffer of this layer: the one holding its virtual address.
 ggml_metal_buffer_t buffer_of(const ggml_tensor* t) {
   const ggml_tensor* base = t->view_src != nullptr ? t->view_src : t;
-  if (base->buffer == nullptr) throw std::runtime_error("ggml-kernels MPS: a tensor with no buffer");
+  if (base->buffer == nullptr)
+    throw std::runtime_error("ggml-kernels MPS: a tensor with no buffer");
   return static_cast<ggml_metal_buffer_t>(base->buffer->context);
 }
 

@@ -1,6 +1,8 @@
 // The device functions of upstream's ggml-metal-device.h that upstream implements in Objective-C,
 // over metal-cpp on torch's MPS device (mps_device.h says what differs from upstream and why).
 // The same source in every build: only mps_platform.h differs between darwin and the Linux twin.
+#include "mps_device.h"
+
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 #include <algorithm>
@@ -11,7 +13,6 @@
 
 #include "ggml-metal-fusion.h"
 #include "metal_source.h"
-#include "mps_device.h"
 #include "mps_platform.h"
 
 using ggml_kernels::mps::Constant;
@@ -23,7 +24,8 @@ namespace {
 // Each buffer gets a slot of 2^40 bytes in [2^62, 2^63): addresses that no host allocation has on
 // the 64-bit platforms torch runs on, so a tensor's `data` can never be mistaken for host memory.
 // Nothing dereferences them: upstream's host code only subtracts a buffer's base (props say the
-// buffers are not shared), and this layer maps them back to (MTL::Buffer, offset). Slots are reused.
+// buffers are not shared), and this layer maps them back to (MTL::Buffer, offset). Slots are
+// reused.
 constexpr uintptr_t kVirtualBase = uintptr_t{1} << 62;
 constexpr size_t kSlotBytes = size_t{1} << 40;
 constexpr size_t kSlots = size_t{1} << 22;
@@ -105,7 +107,8 @@ ggml_metal_device_props device_props(MTL::Device* mtl, int device) {
   p.device_virt = device;
   const NS::String* name = mtl->name();
   std::snprintf(p.name, sizeof(p.name), "MTL%d", device);
-  std::snprintf(p.desc, sizeof(p.desc), "%s", name != nullptr ? name->utf8String() : "Metal device");
+  std::snprintf(p.desc, sizeof(p.desc), "%s",
+                name != nullptr ? name->utf8String() : "Metal device");
   p.max_buffer_size = mtl->maxBufferLength();
   p.max_working_set_size = mtl->recommendedMaxWorkingSetSize();
   if (p.max_working_set_size == 0) p.max_working_set_size = p.max_buffer_size;
@@ -116,9 +119,9 @@ ggml_metal_device_props device_props(MTL::Device* mtl, int device) {
   p.has_simdgroup_mm = p.supports_gpu_family_apple7;
   p.has_bfloat = p.gpu_family >= 6 || mtl->supportsFamily(MTL::GPUFamilyMetal3);
   p.has_unified_memory = mtl->hasUnifiedMemory();
-  p.has_tensor = false;           // the kernels the emulated device runs, none of the tensor API's
-  p.use_residency_sets = false;   // MPS tensors' buffers are torch's to keep resident
-  p.use_shared_buffers = false;   // tensor data are device addresses, never host memory
+  p.has_tensor = false;          // the kernels the emulated device runs, none of the tensor API's
+  p.use_residency_sets = false;  // MPS tensors' buffers are torch's to keep resident
+  p.use_shared_buffers = false;  // tensor data are device addresses, never host memory
   p.device_id = GGML_METAL_DEVICE_GENERIC;
   const char* batch = std::getenv("GGML_OP_OFFLOAD_MIN_BATCH");
   p.op_offload_min_batch_size = batch ? std::atoi(batch) : 32;
@@ -174,7 +177,8 @@ MTL::ComputePipelineState* new_pipeline_state(ggml_metal_library* lib, const cha
   MTL::Function* function = cv == nullptr ? library->newFunction(ns_string(base))
                                           : library->newFunction(ns_string(base), cv->obj, &error);
   if (function == nullptr)
-    fail(std::string("ggml-kernels MPS: no function for pipeline ") + name + ": " + describe(error));
+    fail(std::string("ggml-kernels MPS: no function for pipeline ") + name + ": " +
+         describe(error));
   MTL::ComputePipelineState* state = lib->device->mtl->newComputePipelineState(function, &error);
   function->release();
   if (state == nullptr)
@@ -190,15 +194,9 @@ void set_constant(ggml_metal_cv_t cv, int32_t idx, Constant::Kind kind, int32_t 
   const int16_t v16 = static_cast<int16_t>(value);
   const bool vbool = value != 0;
   switch (kind) {
-    case Constant::Kind::Bool:
-      cv->obj->setConstantValue(&vbool, MTL::DataTypeBool, idx);
-      break;
-    case Constant::Kind::Int16:
-      cv->obj->setConstantValue(&v16, MTL::DataTypeShort, idx);
-      break;
-    case Constant::Kind::Int32:
-      cv->obj->setConstantValue(&value, MTL::DataTypeInt, idx);
-      break;
+    case Constant::Kind::Bool: cv->obj->setConstantValue(&vbool, MTL::DataTypeBool, idx); break;
+    case Constant::Kind::Int16: cv->obj->setConstantValue(&v16, MTL::DataTypeShort, idx); break;
+    case Constant::Kind::Int32: cv->obj->setConstantValue(&value, MTL::DataTypeInt, idx); break;
   }
   cv->constants[idx] = Constant{kind, value};
 }
@@ -452,7 +450,8 @@ struct ggml_metal_fusion_info* ggml_metal_device_get_fusion_info(ggml_metal_devi
 // torch's allocator instead, through ggml_metal_buffer_map).
 ggml_metal_buffer_t ggml_metal_buffer_init(ggml_metal_device_t dev, size_t size, bool) {
   if (size >= kSlotBytes) return nullptr;
-  MTL::Buffer* mtl = dev->mtl->newBuffer(std::max<size_t>(size, 1), MTL::ResourceStorageModePrivate);
+  MTL::Buffer* mtl =
+      dev->mtl->newBuffer(std::max<size_t>(size, 1), MTL::ResourceStorageModePrivate);
   if (mtl == nullptr) return nullptr;
   auto* buf = new ggml_metal_buffer();
   buf->mtl = mtl;

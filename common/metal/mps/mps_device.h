@@ -60,7 +60,8 @@ struct DispatchRecord {
   const ggml_metal_pipeline* pipeline = nullptr;
   int grid[3] = {0, 0, 0};
   int threads[3] = {0, 0, 0};
-  std::map<int, std::pair<const MTL::Buffer*, size_t>> buffers;  // argument index -> (buffer, offset)
+  std::map<int, std::pair<const MTL::Buffer*, size_t>>
+      buffers;                               // argument index -> (buffer, offset)
   std::map<int, size_t> bytes;               // argument index -> setBytes length
   std::map<int, size_t> threadgroup_memory;  // threadgroup index -> bytes
 };

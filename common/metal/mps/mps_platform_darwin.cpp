@@ -36,7 +36,9 @@ void encode(void (*body)(MTL::ComputeCommandEncoder*, void*), void* context) {
   dispatch_sync_f(e.stream->queue(), &e, &Encoding::run);
 }
 
-void synchronize() { at::mps::getCurrentMPSStream()->synchronize(at::mps::SyncType::COMMIT_AND_WAIT); }
+void synchronize() {
+  at::mps::getCurrentMPSStream()->synchronize(at::mps::SyncType::COMMIT_AND_WAIT);
+}
 
 // An MPS tensor's storage pointer is its id<MTLBuffer> (torch's MPS allocator hands those out).
 MTL::Buffer* tensor_buffer(const at::Tensor& t) {
