@@ -45,16 +45,17 @@ def test_output_is_counted_per_op():
         "GET_ROWS": (1, 0, 1), "MUL_MAT": (1, 1, 0)}
     assert summary.failures == ["MUL_MAT(type_a=q4_0,type_b=f32,m=16,n=1,k=256,bs=[1,1])"]
     assert summary.problems == [] and not summary.ok
-    table = upstream_ops.format_summary(summary, seconds=3.2)
+    summary.seconds, summary.cpu_seconds = 3.2, 2.9
+    table = upstream_ops.format_summary(summary)
     assert "| MUL_MAT | 1 | 1 | 0 |" in table and "| **total** | 2 | 1 | 1 |" in table
-    assert table.endswith("FAILED in 3 s")
+    assert table.endswith("FAILED in 3 s (3 s of CPU)")
 
 
 def test_a_passing_run_is_ok():
     out = CANNED.replace(RED_FAIL, GREEN_OK).replace("2/3 tests passed", "3/3 tests passed")
     summary = upstream_ops.parse(out, returncode=0)
     assert summary.ok and summary.count("passed") == 3 and summary.count("unsupported") == 1
-    assert upstream_ops.format_summary(summary).endswith("OK")
+    assert upstream_ops.format_summary(summary).endswith("OK in 0 s (0 s of CPU)")
 
 
 def test_flash_attention_vec_slice_is_counted():
@@ -138,6 +139,7 @@ def test_run_passes_filters_and_merges(tmp_path):
     assert (tmp_path / "args").read_text().split() == ["test", "-b", "MTL0", "-o", "GET_ROWS", "-j", "2"]
     assert (tmp_path / "env").read_text().strip() == "1"
     assert summary.ops["MUL_MAT"].failed == 2 and summary.ops["GET_ROWS"].passed == 2 and not summary.ok
+    assert summary.seconds > 0
 
 
 @pytest.mark.parametrize(("returncode", "exit_status"), [(0, 0), (1, 1)])
