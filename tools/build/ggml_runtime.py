@@ -92,17 +92,22 @@ def _stage_compat(out: Path) -> Path:
     return staged
 
 
+def write_version_header(gen: Path) -> None:
+    """gen/ggml-version.h, which CMake generates upstream: the pinned version and commit."""
+    pin = upstream.pin()["llama_cpp"]
+    text = f'#pragma once\n#define GGML_VERSION "{pin["ggml_version"]}"\n#define GGML_COMMIT "{pin["commit"][:7]}"\n'
+    version_h = gen / "ggml-version.h"
+    if not version_h.exists() or version_h.read_text() != text:
+        version_h.write_text(text)
+
+
 def build(jobs: int | None = None) -> Path:
     tree = upstream.ggml_tree()
     out = runtime_dir()
     src = tree / "src"
     gen = out / "gen"
     gen.mkdir(parents=True, exist_ok=True)
-    pin = upstream.pin()["llama_cpp"]
-    version_h = gen / "ggml-version.h"
-    text = f'#pragma once\n#define GGML_VERSION "{pin["ggml_version"]}"\n#define GGML_COMMIT "{pin["commit"][:7]}"\n'
-    if not version_h.exists() or version_h.read_text() != text:
-        version_h.write_text(text)
+    write_version_header(gen)
 
     includes = [f"-I{tree / 'include'}", f"-I{src}", f"-I{src / 'ggml-cpu'}", f"-I{gen}"]
     n = ninja.NinjaFile()
