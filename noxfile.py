@@ -7,6 +7,7 @@
     nox -s lint                       # ruff and clang-format, checking only (-- --fix rewrites the files)
     nox -s sanitize                   # the fast tier on AddressSanitizer + UBSan builds (-- pytest args)
     nox -s bench                      # per-kernel benchmark tables (-- --quick for a short run)
+    nox -s bench -- --check           # ours against ggml's own op: non-zero below 0.95x on a product or norm
     nox -s demo                       # the main job (README)
     nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
     nox -s upstream-ops               # llama.cpp's test-backend-ops on the emulated Metal device (-- --full)
@@ -192,13 +193,22 @@ def bench(session: nox.Session) -> None:
     """Every package's benchmarks/ under kernels' own runner (`kernels benchmark <package folder>`): ours
     against ggml's own op, transformers and the reference, checked against the reference as they run.
     Writes bench-results/<package>.json (the runner's) and .md (tools/bench/kernels_table.py).
-    Also bench-results/metal-emu.md: ops on the emulated Metal device (tools/bench/metal_emu.py).
-    -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those."""
+    Then ours against ggml's own op, same process, alternating rounds (tools/bench/versus_ggml.py):
+    bench-results/versus-ggml.md. Also bench-results/metal-emu.md: ops on the emulated Metal device
+    (tools/bench/metal_emu.py).
+    -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those; -- --threads N.
+    -- --check: only the ours-vs-ggml rounds, exiting non-zero where a product (ggml-quantization) or
+    norm (ggml-norm) workload is below 0.95x ggml on this machine (a verdict to run on a new CPU)."""
     _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
     _install_llama_cpp(session)
     _build(session)
-    quick = "--quick" in session.posargs
-    wanted = [a for a in session.posargs if a != "--quick"]
+    quick, check = "--quick" in session.posargs, "--check" in session.posargs
+    options = [a for a in session.posargs if a in ("--quick", "--check")]
+    wanted = [a for a in session.posargs if a not in options]
+    if "--threads" in wanted:  # both sides' thread count, for the ours-vs-ggml rounds
+        at = wanted.index("--threads")
+        options += wanted[at:at + 2]
+        del wanted[at:at + 2]
     packages = [p.parent.name for p in sorted((REPO / "packages").glob("*/benchmarks"))]
     out = REPO / "bench-results"
     out.mkdir(exist_ok=True)
@@ -207,6 +217,11 @@ def bench(session: nox.Session) -> None:
     calls = ["--iterations", "5", "--warmup", "2"] if quick else []
     if quick:
         env["GGML_KERNELS_BENCH_QUICK"] = "1"
+    versus = ["python", "-m", "tools.bench.versus_ggml", *options, *[p for p in wanted if p != "metal-emu"],
+              "--output", str(out / "versus-ggml.md")]
+    if check:  # the verdict alone: session.run fails the session on its non-zero exit
+        session.run(*versus, "--command", "nox -s bench -- " + " ".join(session.posargs), env=env)
+        return
     if not wanted or "metal-emu" in wanted:  # the emulated Metal device's ops (tools/bench/metal_emu.py)
         table = session.run("python", "-m", "tools.bench.metal_emu", *(["--calls", "2"] if quick else []),
                             silent=True, env=env)
@@ -220,6 +235,8 @@ def bench(session: nox.Session) -> None:
                             silent=True, env=env)
         (out / f"{package}.md").write_text(table)
         print(table)
+    if [p for p in (wanted or packages) if p != "metal-emu"]:
+        session.run(*versus, "--command", "nox -s bench -- " + " ".join(session.posargs), env=env)
 
 
 @nox.session(name="upstream-ops")

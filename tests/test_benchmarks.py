@@ -21,14 +21,14 @@ import torch
 from tools import REPO
 from tools.bench import kernels_table
 
-# package -> {op: implementations its benchmarks compare}; the ggml columns of ggml-quantization need
-# llama.cpp's libggml (llama-cpp-python, which nox installs)
+# package -> {op: implementations its benchmarks compare}; the ggml columns (ggml's own ops, but
+# topk's) need llama.cpp's libggml (llama-cpp-python, which nox installs)
 IMPLEMENTATIONS = {
-    "ggml-attn": {"FlashAttn": {"ours", "sdpa", "eager", "reference"}},
-    "ggml-gated-delta-net": {"GatedDeltaNet": {"ours", "transformers"}, "CausalConv1d": {"ours"},
+    "ggml-attn": {"FlashAttn": {"ours", "ggml", "sdpa", "eager", "reference"}},
+    "ggml-gated-delta-net": {"GatedDeltaNet": {"ours", "ggml", "transformers"}, "CausalConv1d": {"ours", "ggml"},
                              "Layer": {"ours", "transformers"}},
-    "ggml-norm": {"RMSNormZeroCentered": {"ours", "layer", "transformers", "reference"}, "RMSNormGated": {"ours"},
-                  "L2Norm": {"ours"}},
+    "ggml-norm": {"RMSNormZeroCentered": {"ours", "ggml", "layer", "transformers", "reference"},
+                  "RMSNormGated": {"ours", "ggml"}, "L2Norm": {"ours", "ggml"}},
     "ggml-quantization": {"MulMatVec": {"ours", "ggml", "tf_f32", "tf_bf16"},
                           "MulMat": {"ours", "ggml", "tf_f32", "tf_bf16", "tf_unpack"}, "MulMatGroup": {"ours"}},
     "topk": {"SoftmaxTopK": {"ours", "ggml", "eager", "reference"}, "Router": {"ours", "transformers"}},

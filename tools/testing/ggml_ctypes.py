@@ -2,9 +2,10 @@
 
 llama-cpp-python's shared libraries (`llama_cpp/lib/libggml-base.so`, `libggml-cpu.so`) export
 ggml's C API. This module builds single-op ggml graphs with them -- `ggml_mul_mat`,
-`ggml_mul_mat_id` -- and calls ggml's quantizers, so tests can compare ggml-kernels against
-llama.cpp's own build of the same ggml, and benchmarks can time ggml's op with nothing of ours in
-the way.
+`ggml_mul_mat_id`, and the small graphs llama.cpp builds for one layer op (RMS norm, gated RMS norm,
+L2 norm, flash attention, the gated delta net, the short causal conv) -- and calls ggml's
+quantizers, so tests can compare ggml-kernels against llama.cpp's own build of the same ggml, and
+benchmarks can time ggml's op with nothing of ours in the way.
 
     from tools.testing import ggml_ctypes
     if ggml_ctypes.available():
@@ -28,10 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MulMat", "MulMatId", "available", "info", "lib_dir", "quantize", "row_size", "type_name", "unavailable_reason"]
+__all__ = ["CausalConv1d", "FlashAttn", "GatedDeltaNet", "L2Norm", "MulMat", "MulMatId", "RMSNorm", "RMSNormGated",
+           "available", "info", "lib_dir", "quantize", "row_size", "type_name", "unavailable_reason"]
 
 GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
 GGML_TYPE_I32 = 26
+GGML_TYPE_BF16 = 30
+# activation dtypes the layer-op graphs take, by name: ggml type and element size
+ACTIVATION_TYPES = {"f32": (GGML_TYPE_F32, 4), "f16": (GGML_TYPE_F16, 2), "bf16": (GGML_TYPE_BF16, 2)}
 GGML_TYPE_COUNT = 43  # ggml.h's enum ggml_type
 GGML_MAX_N_THREADS = 512  # ggml.h
 GGML_STATUS_SUCCESS = 0
@@ -99,14 +105,30 @@ class _Ggml:
         self.cpu = ctypes.CDLL(str(folder / f"libggml-cpu{ext}"), mode=mode)
         self.path = folder
         P, S, I64, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int  # noqa: E741  (ctypes signatures read as C)
+        F = ctypes.c_float
         T = ctypes.c_int  # enum ggml_type
         sig = {
             # ggml-base
             "ggml_init": (P, [_InitParams]),
             "ggml_free": (None, [P]),
+            "ggml_new_tensor_1d": (P, [P, T, I64]),
             "ggml_new_tensor_2d": (P, [P, T, I64, I64]),
             "ggml_new_tensor_3d": (P, [P, T, I64, I64, I64]),
+            "ggml_new_tensor_4d": (P, [P, T, I64, I64, I64, I64]),
             "ggml_mul_mat": (P, [P, P, P]),
+            "ggml_rms_norm": (P, [P, P, F]),
+            "ggml_l2_norm": (P, [P, P, F]),
+            "ggml_mul": (P, [P, P, P]),
+            "ggml_scale": (P, [P, P, F]),
+            "ggml_silu": (P, [P, P]),
+            "ggml_cast": (P, [P, P, T]),
+            "ggml_cpy": (P, [P, P, P]),
+            "ggml_concat": (P, [P, P, P, I]),
+            "ggml_transpose": (P, [P, P]),
+            "ggml_view_2d": (P, [P, P, I64, I64, S, S]),
+            "ggml_flash_attn_ext": (P, [P, P, P, P, P, F, F, F]),
+            "ggml_gated_delta_net": (P, [P, P, P, P, P, P, P, I64]),
+            "ggml_ssm_conv": (P, [P, P, P]),
             "ggml_mul_mat_id": (P, [P, P, P, P]),
             "ggml_new_graph": (P, [P]),
             "ggml_build_forward_expand": (None, [P, P]),
@@ -262,11 +284,13 @@ class _OneOpGraph:
         self.threadpool = None
         self._work = None
 
-    def _finish(self, result) -> None:
+    def _finish(self, result, *also) -> None:
+        """Plan the graph that computes `result` (read by output()) and `also` (other results)."""
         g = self._g
         self.result = result
         self.graph = g.ggml_new_graph(self.ctx)
-        g.ggml_build_forward_expand(self.graph, result)
+        for tensor in (*also, result):
+            g.ggml_build_forward_expand(self.graph, tensor)
         params = _ThreadpoolParams()
         g.ggml_threadpool_params_init(ctypes.byref(params), self.n_threads)
         self.threadpool = g.ggml_threadpool_new(ctypes.byref(params))
@@ -282,6 +306,17 @@ class _OneOpGraph:
     def _copy_in(dst_ptr: int, src: np.ndarray) -> None:
         ctypes.memmove(dst_ptr, _ptr(src), src.nbytes)
 
+    def _new(self, type_id: int, *ne: int):
+        """A tensor of this context, its dims in ggml's order (fastest first)."""
+        g = self._g
+        make = {1: g.ggml_new_tensor_1d, 2: g.ggml_new_tensor_2d, 3: g.ggml_new_tensor_3d, 4: g.ggml_new_tensor_4d}
+        return make[len(ne)](self.ctx, type_id, *(int(n) for n in ne))
+
+    def _fill(self, tensor, src: np.ndarray) -> None:
+        """Copy `src` (contiguous, exactly the tensor's bytes) into a tensor of this graph."""
+        assert self._g.ggml_nbytes(tensor) == src.nbytes, (self._g.ggml_nbytes(tensor), src.nbytes)
+        self._copy_in(self._data(tensor), src)
+
     def _data(self, tensor) -> int:
         return self._g.ggml_get_data(tensor)
 
@@ -291,10 +326,16 @@ class _OneOpGraph:
         if status != GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml_ctypes: ggml_graph_compute returned status {status}")
 
-    def _read_result(self, shape) -> np.ndarray:
+    def _read_result(self, shape, type_id: int = GGML_TYPE_F32, tensor=None) -> np.ndarray:
+        """The result (or `tensor`) as a float32 array of `shape` (16-bit results widened exactly)."""
         n = int(np.prod(shape))
-        buf = (ctypes.c_float * n).from_address(self._data(self.result))
-        return np.frombuffer(buf, dtype=np.float32, count=n).reshape(shape).copy()
+        ptr = self._data(self.result if tensor is None else tensor)
+        if type_id == GGML_TYPE_F32:
+            return np.frombuffer((ctypes.c_float * n).from_address(ptr), dtype=np.float32, count=n).reshape(shape).copy()
+        bits = np.frombuffer((ctypes.c_uint16 * n).from_address(ptr), dtype=np.uint16, count=n).reshape(shape)
+        if type_id == GGML_TYPE_F16:
+            return bits.view(np.float16).astype(np.float32)
+        return (bits.astype(np.uint32) << 16).view(np.float32)  # bfloat16: the top half of a float32
 
     def close(self) -> None:
         g = getattr(self, "_g", None)
@@ -405,6 +446,293 @@ class MulMatId(_OneOpGraph):
 
     def __call__(self, x, ids) -> np.ndarray:
         self.set_input(x, ids)
+        self.compute()
+        return self.output()
+
+
+# ---- layer ops: the small graphs llama.cpp builds around one op -------------------------------
+
+def _activation_type(dtype: str) -> tuple[int, int]:
+    if dtype not in ACTIVATION_TYPES:
+        raise ValueError(f"ggml_ctypes: dtype must be one of {sorted(ACTIVATION_TYPES)}, got {dtype!r}")
+    return ACTIVATION_TYPES[dtype]
+
+
+def _as_activation(x, dtype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """x as the contiguous bytes of a `dtype` tensor of `shape`: float32 / float16 values, bfloat16 as its
+    uint16 bits (a torch bfloat16 tensor, or uint16 bits already)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            if dtype != "bf16":
+                x = x.float()
+            else:
+                import torch  # only reached with a torch tensor in hand
+
+                x = x.contiguous().view(torch.int16)
+        x = x.numpy()
+    a = np.asarray(x)
+    if dtype == "bf16":
+        if a.dtype not in (np.int16, np.uint16):
+            raise ValueError(f"ggml_ctypes: {name} for a bf16 graph must be a torch bfloat16 tensor or its uint16 bits, "
+                             f"got {a.dtype}")
+        a = np.ascontiguousarray(a).view(np.uint16)
+    else:
+        a = np.ascontiguousarray(a, dtype=np.float32 if dtype == "f32" else np.float16)
+    if a.shape != tuple(shape):
+        raise ValueError(f"ggml_ctypes: {name} must be {tuple(shape)}, got {a.shape}")
+    return a
+
+
+def _check_positive(**dims: int) -> None:
+    bad = {k: v for k, v in dims.items() if int(v) < 1}
+    if bad:
+        raise ValueError(f"ggml_ctypes: dimensions must be >= 1, got {bad}")
+
+
+class _RowOp(_OneOpGraph):
+    """A graph over rows of `cols` activations in `dtype`: ggml-cpu's norms compute in float32 only, so
+    16-bit activations are cast to float32 going in and the result back (ggml_cast, both in the graph)."""
+
+    def __init__(self, rows: int, cols: int, dtype: str, n_f32_temps: int, n_inputs: int, n_threads: int):
+        _check_positive(rows=rows, cols=cols)
+        self.rows, self.cols, self.dtype = int(rows), int(cols), dtype
+        self.type_id, size = _activation_type(dtype)
+        n = self.rows * self.cols
+        super().__init__(n * ((n_inputs + 1) * size + 4 * (n_f32_temps + n_inputs + 1)) + 4 * self.cols,
+                         2 * n_inputs + n_f32_temps + 4, n_threads)
+
+    def _activation_input(self):
+        t = self._new(self.type_id, self.cols, self.rows)
+        return t, (t if self.type_id == GGML_TYPE_F32 else self._g.ggml_cast(self.ctx, t, GGML_TYPE_F32))
+
+    def _finish_rows(self, y) -> None:
+        self._finish(y if self.type_id == GGML_TYPE_F32 else self._g.ggml_cast(self.ctx, y, self.type_id))
+
+    def _rows_in(self, tensor, x, name: str) -> None:
+        self._fill(tensor, _as_activation(x, self.dtype, (self.rows, self.cols), name))
+
+    def output(self) -> np.ndarray:
+        """(rows, cols) float32 (a 16-bit result widened exactly)."""
+        return self._read_result((self.rows, self.cols), self.type_id)
+
+
+class RMSNorm(_RowOp):
+    """`ggml_rms_norm(x, eps)` then `ggml_mul` by the weight, llama.cpp's RMS norm (build_norm):
+    x (rows, cols) in dtype, weight (cols,) float32 -> (rows, cols).
+
+    A zero-centred norm (Qwen3.5's, Gemma's `norm(x) * (1 + w)`) is this same graph given `1 + w`:
+    llama.cpp's GGUF converter stores the weight with the 1 added, so its graph has no extra op.
+    """
+
+    def __init__(self, rows: int, cols: int, eps: float = 1e-6, dtype: str = "f32", n_threads: int = 1):
+        super().__init__(rows, cols, dtype, n_f32_temps=2, n_inputs=1, n_threads=n_threads)
+        g = self._g
+        self.x, x = self._activation_input()
+        self.w = self._new(GGML_TYPE_F32, self.cols)
+        self._finish_rows(g.ggml_mul(self.ctx, g.ggml_rms_norm(self.ctx, x, float(eps)), self.w))
+
+    def set_input(self, x, weight) -> None:
+        self._rows_in(self.x, x, "x")
+        self._fill(self.w, _as_activation(weight, "f32", (self.cols,), "weight"))
+
+    def __call__(self, x, weight) -> np.ndarray:
+        self.set_input(x, weight)
+        self.compute()
+        return self.output()
+
+
+class RMSNormGated(_RowOp):
+    """The gated RMS norm after Qwen3.5's gated delta net, as llama.cpp's Qwen3.5 graph builds it
+    (build_norm_gated): `ggml_mul(ggml_mul(ggml_rms_norm(x, eps), w), ggml_silu(gate))`.
+    x, gate (rows, cols) in dtype, weight (cols,) float32 -> (rows, cols)."""
+
+    def __init__(self, rows: int, cols: int, eps: float = 1e-6, dtype: str = "f32", n_threads: int = 1):
+        super().__init__(rows, cols, dtype, n_f32_temps=4, n_inputs=2, n_threads=n_threads)
+        g, ctx = self._g, self.ctx
+        self.x, x = self._activation_input()
+        self.gate, gate = self._activation_input()
+        self.w = self._new(GGML_TYPE_F32, self.cols)
+        normed = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, float(eps)), self.w)
+        self._finish_rows(g.ggml_mul(ctx, normed, g.ggml_silu(ctx, gate)))
+
+    def set_input(self, x, gate, weight) -> None:
+        self._rows_in(self.x, x, "x")
+        self._rows_in(self.gate, gate, "gate")
+        self._fill(self.w, _as_activation(weight, "f32", (self.cols,), "weight"))
+
+    def __call__(self, x, gate, weight) -> np.ndarray:
+        self.set_input(x, gate, weight)
+        self.compute()
+        return self.output()
+
+
+class L2Norm(_RowOp):
+    """`ggml_l2_norm(x, eps)`: x / max(||x||, eps) over rows of `cols` float32 values."""
+
+    def __init__(self, rows: int, cols: int, eps: float = 1e-6, n_threads: int = 1):
+        super().__init__(rows, cols, "f32", n_f32_temps=1, n_inputs=1, n_threads=n_threads)
+        self.x, x = self._activation_input()
+        self._finish_rows(self._g.ggml_l2_norm(self.ctx, x, float(eps)))
+
+    def set_input(self, x) -> None:
+        self._rows_in(self.x, x, "x")
+
+    def __call__(self, x) -> np.ndarray:
+        self.set_input(x)
+        self.compute()
+        return self.output()
+
+
+class FlashAttn(_OneOpGraph):
+    """`ggml_flash_attn_ext` with a causal mask, as llama.cpp's attention runs it: q (Hq, Sq, D) float32,
+    k, v (Hkv, Skv, D) in kv_dtype (the KV cache's type), GQA native (query head h reads KV head
+    h // (Hq / Hkv)) -> (Sq, Hq, D) float32. The mask is ggml's additive float16 one (0 or -inf),
+    bottom-right causal (query i sees keys up to Skv - Sq + i), made once."""
+
+    def __init__(self, hq: int, hkv: int, d: int, sq: int, skv: int, scale: float | None = None,
+                 kv_dtype: str = "f32", n_threads: int = 1):
+        _check_positive(hq=hq, hkv=hkv, d=d, sq=sq, skv=skv)
+        if hq % hkv:
+            raise ValueError(f"ggml_ctypes: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+        if kv_dtype == "bf16":
+            raise ValueError("ggml_ctypes: FlashAttn takes f32 or f16 K/V")
+        self.hq, self.hkv, self.d, self.sq, self.skv = (int(v) for v in (hq, hkv, d, sq, skv))
+        self.kv_dtype = kv_dtype
+        kv_type, kv_size = _activation_type(kv_dtype)
+        q_bytes, kv_bytes = 4 * self.hq * self.sq * self.d, kv_size * self.hkv * self.skv * self.d
+        super().__init__(2 * q_bytes + 2 * kv_bytes + 2 * self.sq * self.skv, 6, n_threads)
+        g = self._g
+        self.q = self._new(GGML_TYPE_F32, self.d, self.sq, self.hq, 1)
+        self.k = self._new(kv_type, self.d, self.skv, self.hkv, 1)
+        self.v = self._new(kv_type, self.d, self.skv, self.hkv, 1)
+        self.mask = self._new(GGML_TYPE_F16, self.skv, self.sq, 1, 1)
+        visible = np.arange(self.skv)[None, :] <= np.arange(self.sq)[:, None] + (self.skv - self.sq)
+        self._fill(self.mask, np.where(visible, 0.0, -np.inf).astype(np.float16))
+        scale = self.d**-0.5 if scale is None else float(scale)
+        self._finish(g.ggml_flash_attn_ext(self.ctx, self.q, self.k, self.v, self.mask, scale, 0.0, 0.0))
+
+    def set_input(self, q, k, v) -> None:
+        self._fill(self.q, _as_activation(q, "f32", (self.hq, self.sq, self.d), "q"))
+        kv_shape = (self.hkv, self.skv, self.d)
+        self._fill(self.k, _as_activation(k, self.kv_dtype, kv_shape, "k"))
+        self._fill(self.v, _as_activation(v, self.kv_dtype, kv_shape, "v"))
+
+    def output(self) -> np.ndarray:
+        return self._read_result((self.sq, self.hq, self.d))
+
+    def __call__(self, q, k, v) -> np.ndarray:
+        self.set_input(q, k, v)
+        self.compute()
+        return self.output()
+
+
+class GatedDeltaNet(_OneOpGraph):
+    """Qwen3.5's gated delta rule as llama.cpp's graph runs it: q and k L2-normalised the way its
+    Qwen3.5 graph does (`ggml_rms_norm(x, eps / D)` scaled by `1 / sqrt(D)`, = x / sqrt(|x|^2 + eps)),
+    then `ggml_gated_delta_net` (output scaled by 1 / sqrt(D), the final state packed after it).
+
+    Inputs in transformers' layout: q, k (T, Hk, D), v (T, Hv, D), g (log decay) and beta (T, Hv), state
+    (Hv, Dk, Dv); value head h reads key head h // (Hv / Hk). ggml pairs value head h with key head
+    h % Hk instead, so set_input orders the value heads (and gates and states) the way llama.cpp's
+    converter stores Qwen3.5's, and transposes the state into ggml's layout; output() and state()
+    undo both. Those copies are outside compute()."""
+
+    def __init__(self, hk: int, hv: int, d: int, tokens: int, eps: float = 1e-6, n_threads: int = 1):
+        _check_positive(hk=hk, hv=hv, d=d, tokens=tokens)
+        if hv % hk:
+            raise ValueError(f"ggml_ctypes: value heads ({hv}) must be a multiple of key heads ({hk})")
+        self.hk, self.hv, self.d, self.tokens = int(hk), int(hv), int(d), int(tokens)
+        qk, vb, st = self.tokens * self.hk * self.d * 4, self.tokens * self.hv * self.d * 4, self.hv * self.d * self.d * 4
+        super().__init__(6 * qk + 2 * vb + 2 * st + 8 * self.tokens * self.hv, 12, n_threads)
+        g, ctx = self._g, self.ctx
+        # value head j of ggml's order is head _order[j] of transformers' (j % Hk is its key head)
+        r = self.hv // self.hk
+        self._order = np.array([(j % self.hk) * r + j // self.hk for j in range(self.hv)])
+        self.q = self._new(GGML_TYPE_F32, self.d, self.hk, self.tokens, 1)
+        self.k = self._new(GGML_TYPE_F32, self.d, self.hk, self.tokens, 1)
+        self.v = self._new(GGML_TYPE_F32, self.d, self.hv, self.tokens, 1)
+        self.g = self._new(GGML_TYPE_F32, 1, self.hv, self.tokens, 1)
+        self.beta = self._new(GGML_TYPE_F32, 1, self.hv, self.tokens, 1)
+        self.state_in = self._new(GGML_TYPE_F32, self.d, self.d, self.hv, 1)
+
+        def l2(x):
+            return g.ggml_scale(ctx, g.ggml_rms_norm(ctx, x, float(eps) / self.d), self.d**-0.5)
+
+        self._finish(g.ggml_gated_delta_net(ctx, l2(self.q), l2(self.k), self.v, self.g, self.beta, self.state_in, 1))
+
+    def set_input(self, q, k, v, g, beta, state) -> None:
+        t, hk, hv, d = self.tokens, self.hk, self.hv, self.d
+        self._fill(self.q, _as_activation(q, "f32", (t, hk, d), "q"))
+        self._fill(self.k, _as_activation(k, "f32", (t, hk, d), "k"))
+        order = self._order
+        self._fill(self.v, np.ascontiguousarray(_as_activation(v, "f32", (t, hv, d), "v")[:, order]))
+        self._fill(self.g, np.ascontiguousarray(_as_activation(g, "f32", (t, hv), "g")[:, order]))
+        self._fill(self.beta, np.ascontiguousarray(_as_activation(beta, "f32", (t, hv), "beta")[:, order]))
+        s = _as_activation(state, "f32", (hv, d, d), "state")[order].transpose(0, 2, 1)
+        self._fill(self.state_in, np.ascontiguousarray(s))
+
+    def _unordered(self, a: np.ndarray, axis: int) -> np.ndarray:
+        out = np.empty_like(a)
+        np.put_along_axis(out, self._order.reshape([-1 if i == axis else 1 for i in range(a.ndim)]), a, axis)
+        return out
+
+    def output(self) -> np.ndarray:
+        """(T, Hv, D) float32, transformers' head order."""
+        return self._unordered(self._read_result((self.tokens, self.hv, self.d)), 1)
+
+    def state(self) -> np.ndarray:
+        """The final state (Hv, Dk, Dv) float32, transformers' head order and layout."""
+        packed = self._read_result((self.tokens + self.d, self.hv * self.d))  # rows of Hv * D
+        s = packed[self.tokens:].reshape(self.hv, self.d, self.d).transpose(0, 2, 1)
+        return self._unordered(np.ascontiguousarray(s), 0)
+
+    def __call__(self, q, k, v, g, beta, state) -> np.ndarray:
+        self.set_input(q, k, v, g, beta, state)
+        self.compute()
+        return self.output()
+
+
+class CausalConv1d(_OneOpGraph):
+    """The short causal conv of Qwen3.5's linear attention as llama.cpp's graph runs it: the last
+    kernel - 1 columns of the conv state `ggml_concat`ed with the transposed new tokens, `ggml_ssm_conv`,
+    `ggml_silu`; the next state (the last kernel - 1 columns of that concatenation) copied out too.
+
+    x (T, C) float32 (tokens as rows, as the projection writes them), weight (C, kernel), state
+    (C, kernel - 1) -> y (T, C) float32; state() is the next (C, kernel - 1)."""
+
+    def __init__(self, channels: int, kernel: int, tokens: int, n_threads: int = 1):
+        _check_positive(channels=channels, kernel=kernel, tokens=tokens)
+        if kernel < 2:
+            raise ValueError(f"ggml_ctypes: the conv kernel must be >= 2, got {kernel}")
+        self.c, self.kernel, self.tokens = int(channels), int(kernel), int(tokens)
+        width = self.kernel - 1 + self.tokens
+        super().__init__(4 * self.c * (2 * self.tokens + 2 * width + self.kernel + 2 * (self.kernel - 1)), 10,
+                         n_threads)
+        g, ctx = self._g, self.ctx
+        self.x = self._new(GGML_TYPE_F32, self.c, self.tokens)
+        self.w = self._new(GGML_TYPE_F32, self.kernel, self.c)
+        self.state_in = self._new(GGML_TYPE_F32, self.kernel - 1, self.c, 1)
+        self.state_out = self._new(GGML_TYPE_F32, self.kernel - 1, self.c, 1)
+        x_t = g.ggml_transpose(ctx, self.x)  # {T, C}, a strided view
+        conv_input = g.ggml_concat(ctx, self.state_in, x_t, 0)  # {kernel - 1 + T, C, 1}, contiguous
+        tail = g.ggml_view_2d(ctx, conv_input, self.kernel - 1, self.c, 4 * width, 4 * self.tokens)
+        y = g.ggml_silu(ctx, g.ggml_ssm_conv(ctx, conv_input, self.w))  # {C, T, 1}
+        self._finish(y, g.ggml_cpy(ctx, tail, self.state_out))
+
+    def set_input(self, x, weight, state) -> None:
+        self._fill(self.x, _as_activation(x, "f32", (self.tokens, self.c), "x"))
+        self._fill(self.w, _as_activation(weight, "f32", (self.c, self.kernel), "weight"))
+        self._fill(self.state_in, _as_activation(state, "f32", (self.c, self.kernel - 1), "state"))
+
+    def output(self) -> np.ndarray:
+        return self._read_result((self.tokens, self.c))
+
+    def state(self) -> np.ndarray:
+        return self._read_result((self.c, self.kernel - 1), tensor=self.state_out)
+
+    def __call__(self, x, weight, state) -> np.ndarray:
+        self.set_input(x, weight, state)
         self.compute()
         return self.output()
 

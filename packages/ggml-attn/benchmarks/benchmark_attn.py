@@ -11,6 +11,11 @@ head dim 256) and 4B (16 / 4 / 256). Each class times one implementation of the 
   FlashAttn_sdpa         transformers' sdpa_attention_forward (torch's scaled_dot_product_attention)
   FlashAttn_eager        transformers' eager_attention_forward (Llama's), with an additive causal mask
   FlashAttn_reference    ggml_attn.reference.flash_attn (the package's pure-PyTorch reference)
+  FlashAttn_ggml         ggml's own ggml_flash_attn_ext through llama-cpp-python's libggml (the
+                         repository's tools/testing/ggml_ctypes.py; present when that is importable,
+                         as in `nox -s bench`): one graph with ggml's additive f16 causal mask and
+                         native GQA, K/V in the type ours is given (float32 here), built once, only
+                         ggml_graph_compute timed
 verify_* is torch's SDPA (GQA, bottom-right causal mask): every implementation matches it to ~1e-6
 of the output scale. GGML_KERNELS_BENCH_QUICK=1 runs the 0.8B layout's 512-key decode and the
 prefill (for tests).
@@ -20,6 +25,11 @@ import os
 
 import torch
 from kernels.benchmark import Benchmark
+
+try:  # ggml's own op: llama-cpp-python's libggml, through this repository's tools (not on the Hub)
+    from tools.testing import ggml_ctypes
+except ImportError:
+    ggml_ctypes = None
 
 QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
 LAYOUTS = {"0.8B": (8, 2, 256)} if QUICK else {"0.8B": (8, 2, 256), "4B": (16, 4, 256)}
@@ -89,6 +99,29 @@ class FlashAttn_reference(FlashAttn):
     def run(self) -> None:
         out = self.kernel.reference.flash_attn(self.q, self.k, self.v, causal=True, compute_dtype=torch.float32)
         self.out = out.transpose(1, 2)
+
+
+if ggml_ctypes is not None and ggml_ctypes.available():
+
+    class FlashAttn_ggml(FlashAttn):
+        """The graph is made in prepare(); run() only computes it and `out` reads its (Sq, Hq, D) result."""
+
+        def prepare(self, hq: int, hkv: int, d: int, sq: int, skv: int) -> None:
+            super().prepare(hq, hkv, d, sq, skv)
+            self.graph = ggml_ctypes.FlashAttn(hq, hkv, d, sq, skv, self.scale, "f32", torch.get_num_threads())
+            self.graph.set_input(self.q[0], self.k[0], self.v[0])
+
+        def run(self) -> None:
+            self.graph.compute()
+
+        @property
+        def out(self):
+            graph = self.__dict__.get("graph")
+            return None if graph is None else torch.from_numpy(graph.output()).unsqueeze(0)
+
+        @out.setter
+        def out(self, value):
+            pass
 
 
 for _layout, (_hq, _hkv, _d) in LAYOUTS.items():

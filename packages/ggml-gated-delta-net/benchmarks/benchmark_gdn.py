@@ -7,6 +7,13 @@ decode (T = 1, on a state) and a 512-token prefill.
 
 Workloads are named <op>_<decode|prefill512>_hv<Hv>. Each class times one implementation:
   GatedDeltaNet, CausalConv1d     this package's ops
+  GatedDeltaNet_ggml, CausalConv1d_ggml
+                                  ggml's own graphs as llama.cpp's Qwen3.5 graph builds them, through
+                                  llama-cpp-python's libggml (the repository's
+                                  tools/testing/ggml_ctypes.py; present when that is importable, as in
+                                  `nox -s bench`), built once, only ggml_graph_compute timed: q/k L2
+                                  norms then ggml_gated_delta_net; the conv state's tail concatenated
+                                  with the tokens, ggml_ssm_conv, ggml_silu, the next state copied out
   GatedDeltaNet_transformers      transformers' torch fallbacks for the same rule, q/k repeated to the
                                   value heads as the layer does: torch_recurrent_gated_delta_rule for
                                   decode, the chunked torch_chunk_gated_delta_rule for prefill
@@ -28,6 +35,11 @@ from pathlib import Path
 
 import torch
 from kernels.benchmark import Benchmark
+
+try:  # ggml's own op: llama-cpp-python's libggml, through this repository's tools (not on the Hub)
+    from tools.testing import ggml_ctypes
+except ImportError:
+    ggml_ctypes = None
 
 QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
 HIDDEN, HK, D, KERNEL = 1024, 16, 128, 4
@@ -81,6 +93,43 @@ class CausalConv1d(Benchmark):
         return out
 
 
+class _Ggml:
+    """ggml's graph, made in _setup(); _run() only computes it and `out` reads its result."""
+
+    def _run(self) -> None:
+        self.graph.compute()
+
+    @property
+    def out(self):
+        graph = self.__dict__.get("graph")
+        return None if graph is None else self._result(torch.from_numpy(graph.output()))
+
+    @out.setter
+    def out(self, value):
+        pass
+
+
+if ggml_ctypes is not None and ggml_ctypes.available():
+
+    class GatedDeltaNet_ggml(_Ggml, GatedDeltaNet):
+        def _setup(self, tokens: int, hv: int) -> None:
+            super()._setup(tokens, hv)
+            self.graph = ggml_ctypes.GatedDeltaNet(HK, hv, D, tokens, n_threads=torch.get_num_threads())
+            self.graph.set_input(self.q[0], self.k[0], self.v[0], self.g[0], self.beta[0], self.state[0])
+
+        def _result(self, y: torch.Tensor) -> torch.Tensor:
+            return y.unsqueeze(0)  # (1, T, Hv, D)
+
+    class CausalConv1d_ggml(_Ggml, CausalConv1d):
+        def _setup(self, tokens: int, hv: int) -> None:
+            super()._setup(tokens, hv)
+            channels = self.x.shape[1]
+            self.graph = ggml_ctypes.CausalConv1d(channels, KERNEL, tokens, torch.get_num_threads())
+            # x (1, C, T) is a view of (1, T, C) memory: the projection's rows, as ggml reads them
+            self.graph.set_input(self.x[0].T, self.w[:, 0], self.state[0, :, 1:])
+
+        def _result(self, y: torch.Tensor) -> torch.Tensor:
+            return y.T.unsqueeze(0)  # (T, C) -> (1, C, T)
 
 
 class GatedDeltaNet_transformers(GatedDeltaNet):

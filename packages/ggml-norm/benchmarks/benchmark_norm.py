@@ -1,4 +1,5 @@
-"""ggml-norm at Qwen3.5 shapes: decode (1 token) and prefill (512 tokens), against transformers.
+"""ggml-norm at Qwen3.5 shapes: decode (1 token) and prefill (512 tokens), against ggml's own ops and
+transformers.
 
     kernels benchmark ./packages/ggml-norm          # a local build
     kernels benchmark ggml-org/ggml-norm@v1         # the published one
@@ -7,8 +8,14 @@ Workloads are named <op>_<dtype>_h<hidden>_t<tokens>. Each class times one imple
 same workloads: `RMSNormZeroCentered`, `RMSNormGated` and `L2Norm` this package's ops;
 `RMSNormZeroCentered_layer` transformers' Qwen3_5RMSNorm kernelized onto this package's layer (what a
 model runs per norm with the kernel), `RMSNormZeroCentered_transformers` that module as transformers
-ships it, `RMSNormZeroCentered_reference` the package's pure-PyTorch reference. Every class is checked
-against the plain formula of transformers' module (verify_*), whose time is the runner's Ref column.
+ships it, `RMSNormZeroCentered_reference` the package's pure-PyTorch reference. `<Op>_ggml` is ggml's
+own graph for the op through llama-cpp-python's libggml (the repository's tools/testing/ggml_ctypes.py;
+present when that is importable, as in `nox -s bench`), built once, only ggml_graph_compute timed:
+ggml_rms_norm then ggml_mul by the weight (the zero-centred norm is that graph given 1 + w, as
+llama.cpp's converter stores it), the gated norm as llama.cpp's Qwen3.5 graph builds it (rms_norm,
+mul, silu, mul), ggml_l2_norm; bfloat16 rows are cast to float32 and back inside the graph (ggml-cpu's
+norms are float32 only). Every class is checked against the plain formula of transformers' module
+(verify_*), whose time is the runner's Ref column.
 
 Inputs are uniform in [-1, 1] and weights near their typical values, so every output lies below 2
 in magnitude, where one bf16 ulp (2^-7) is inside the runner's atol of 1e-2: kernel and reference
@@ -22,6 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from kernels.benchmark import Benchmark
+
+try:  # ggml's own op: llama-cpp-python's libggml, through this repository's tools (not on the Hub)
+    from tools.testing import ggml_ctypes
+except ImportError:
+    ggml_ctypes = None
 
 QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
 HIDDEN = [1024] if QUICK else [1024, 2560, 4096]
@@ -130,6 +142,49 @@ class L2Norm(Benchmark):
 
     def reference(self) -> torch.Tensor:
         return self.x * torch.rsqrt((self.x * self.x).sum(-1, keepdim=True) + EPS)
+
+
+class _Ggml:
+    """ggml's graph for the op, made in prepare(); run() only computes it and `out` reads its result
+    (rows as x's, x's dtype: a bfloat16 result widened and narrowed back exactly)."""
+
+    def run(self) -> None:
+        self.graph.compute()
+
+    @property
+    def out(self):
+        graph = self.__dict__.get("graph")
+        return None if graph is None else torch.from_numpy(graph.output()).reshape(self.x.shape).to(self.x.dtype)
+
+    @out.setter
+    def out(self, value):
+        pass
+
+
+def _ggml_dtype(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+
+
+if ggml_ctypes is not None and ggml_ctypes.available():
+
+    class RMSNormZeroCentered_ggml(_Ggml, RMSNormZeroCentered):
+        def prepare(self, dtype: torch.dtype, hidden: int, tokens: int) -> None:
+            super().prepare(dtype, hidden, tokens)
+            self.graph = ggml_ctypes.RMSNorm(tokens, hidden, EPS, _ggml_dtype(dtype), torch.get_num_threads())
+            self.graph.set_input(self.x.reshape(tokens, hidden), 1.0 + self.w.float())
+
+    class RMSNormGated_ggml(_Ggml, RMSNormGated):
+        def prepare(self, dtype: torch.dtype, tokens: int) -> None:
+            super().prepare(dtype, tokens)
+            rows = tokens * GATED_HEADS
+            self.graph = ggml_ctypes.RMSNormGated(rows, GATED_DIM, EPS, _ggml_dtype(dtype), torch.get_num_threads())
+            self.graph.set_input(self.x, self.z, self.w.float())
+
+    class L2Norm_ggml(_Ggml, L2Norm):
+        def prepare(self, tokens: int) -> None:
+            super().prepare(tokens)
+            self.graph = ggml_ctypes.L2Norm(tokens * L2_HEADS, L2_DIM, EPS, torch.get_num_threads())
+            self.graph.set_input(self.x.reshape(-1, L2_DIM))
 
 
 for _dname, _dtype in DTYPES.items():
