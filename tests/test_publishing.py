@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tools import publish
-from tools.build import metal_runtime
+from tools.build import mac_checked, metal_runtime
 from tools.testing import fresh_venv
 from tools.testing.kernel_testing import backend_kwargs, hub_ids, load_kernel, point_hub_ids_at_local_builds
 
@@ -89,10 +89,51 @@ def test_darwin_variants_are_skipped_and_emulated_ones_refused(tmp_path, monkeyp
     rel = publish.release("demo")
     assert rel.branch == "v2" and rel.repo_id == "org/demo"
     assert [p for p, _ in rel.files] == ["build/torch213-cxx11-cpu-x86_64-linux/__init__.py"]
-    assert rel.skipped == ("torch213-metal-aarch64-darwin (darwin: no macOS build is made or checked here)",)
+    assert rel.skipped == ("torch213-metal-aarch64-darwin (darwin: not checked on a Mac: no "
+                           "torch213-metal-aarch64-darwin.mac-checked.json beside it (nothing of a darwin build runs on Linux))",)
     (tmp_path / "packages/demo/build/torch213-cxx11-cpu-x86_64-linux/_metal_emu.py").write_text("")
     with pytest.raises(ValueError, match="holds the Metal emulator"):
         publish.release("demo")
+
+
+def test_a_darwin_variant_is_published_only_as_a_mac_checked_it(tmp_path, monkeypatch):
+    """mac-checked.json beside the variant, saying passed, over its current files (tools/build/mac_checked.py)."""
+    monkeypatch.setattr(publish, "REPO", tmp_path)
+    pkg = fake_package(tmp_path, {"torch213-cxx11-cpu-x86_64-linux": ["__init__.py"],
+                                  "torch213-metal-aarch64-darwin": ["__init__.py", "_demo_metal_1.abi3.so"]})
+    darwin = pkg / "build" / "torch213-metal-aarch64-darwin"
+
+    def published():
+        rel = publish.release("demo")
+        return [v.name for v in rel.variants], [s.split(" (")[0] for s in rel.skipped], rel
+
+    mac_checked.write(darwin, passed=False, details={"macos": "26.1"})
+    assert published()[:2] == (["torch213-cxx11-cpu-x86_64-linux"], ["torch213-metal-aarch64-darwin"])
+    assert "does not say the Mac check passed" in published()[2].skipped[0]
+    mac_checked.write(darwin, passed=True, details={"macos": "26.1"})
+    names, skipped, rel = published()
+    assert names == ["torch213-cxx11-cpu-x86_64-linux", "torch213-metal-aarch64-darwin"] and skipped == []
+    assert "build/torch213-metal-aarch64-darwin/_demo_metal_1.abi3.so" in [p for p, _ in rel.files]
+    assert not any(p.endswith(mac_checked.SUFFIX) for p, _ in rel.files)  # the proof stays here
+    (darwin / "_demo_metal_1.abi3.so").write_text("rebuilt")  # a build after the check: unchecked again
+    assert published()[1] == ["torch213-metal-aarch64-darwin"]
+    assert "changed since the Mac check" in published()[2].skipped[0]
+    mac_checked.marker(darwin).write_text("{not json")
+    assert "not readable JSON" in published()[2].skipped[0]
+
+
+def test_check_gives_darwin_variants_the_macos_rules(tmp_path, monkeypatch):
+    monkeypatch.setattr(publish, "REPO", tmp_path)
+    pkg = fake_package(tmp_path, {"torch213-metal-aarch64-darwin": ["__init__.py"]})
+    darwin = pkg / "build" / "torch213-metal-aarch64-darwin"
+    (darwin / "metadata.json").write_text("{}")
+    mac_checked.write(darwin, passed=True, details={})
+    checked = []
+    monkeypatch.setattr(publish, "check_binaries", lambda v, required: checked.append(("linux", v.name)))
+    monkeypatch.setattr(publish, "check_macos_binaries", lambda v: checked.append(("macos", v.name)))
+    with pytest.raises(ValueError, match="metadata.json: missing"):
+        publish.check(publish.release("demo"))
+    assert checked == [("macos", "torch213-metal-aarch64-darwin")]
 
 
 def test_card_front_matter(tmp_path):

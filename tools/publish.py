@@ -11,7 +11,10 @@ package and version of build.toml); then, on build.toml's `[general.hub] repo-id
   commit, which also deletes the files under build/ the branch holds but this upload does not;
 - main: CARD.md as README.md (its front matter says `library_name: kernels`).
 Only build/ is read: emulated builds (build-metal-emu/, ...) are never uploaded, and a variant
-holding the emulator is refused; darwin variants are skipped (no macOS build is made or checked here).
+holding the emulator is refused. A darwin variant (cross-built here by `nox -s build-darwin`, where
+none of it can run) is uploaded only once a Mac has passed it: its `<variant>.mac-checked.json`
+(tools/build/mac_checked.py) must say so for its current files; otherwise it is skipped, with the
+reason. Darwin variants are checked with kernel-abi-check's macOS rules (minimum macOS 26.0, abi3).
 
 --dry-run prints the operations and touches no network. --to-cache DIR writes the repository, instead,
 into a Hugging Face cache folder as a download leaves it (DIR/kernels--<org>--<name>/: refs/v<version>
@@ -34,8 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools import REPO
-from tools.build import metal_runtime, package_spec
+from tools.build import mac_checked, metal_runtime, package_spec
 from tools.build.build import check_binaries, packages
+from tools.build.macho_check import check_macos_binaries
 
 REPO_TYPE = "kernel"
 BUILD = "build"  # the only build folder published
@@ -73,13 +77,18 @@ def release(package: str) -> Release:
     if not repo_id:
         raise ValueError(f"{pkg / package_spec.BUILD_TOML}: [general.hub] repo-id is not set")
     found = sorted(p for p in (pkg / BUILD).glob("torch*") if p.is_dir())
-    variants = tuple(p for p in found if "darwin" not in p.name)
+    unchecked = {p: why for p in found if is_darwin(p) and (why := mac_checked.problem(p))}
+    variants = tuple(p for p in found if p not in unchecked)
     if not variants:
         raise ValueError(f"{package}: no variant in {pkg / BUILD}: run `nox -s build` first")
-    skipped = tuple(f"{p.name} (darwin: no macOS build is made or checked here)" for p in found if p not in variants)
+    skipped = tuple(f"{p.name} (darwin: {why})" for p, why in unchecked.items())
     files = [(f"{BUILD}/{f.relative_to(pkg / BUILD).as_posix()}", f) for v in variants for f in _files(v)]
     files += [(f.relative_to(pkg).as_posix(), f) for f in sorted(pkg.glob(BENCHMARKS))]
     return Release(package, repo_id, general["version"], variants, skipped, tuple(files), card_text(pkg / CARD))
+
+
+def is_darwin(variant: Path) -> bool:
+    return variant.name.endswith("-darwin")
 
 
 def _files(variant: Path) -> list[Path]:
@@ -106,7 +115,10 @@ def check(rel: Release) -> None:
     from kernels import Metadata
 
     for variant in rel.variants:
-        check_binaries(variant, required=True)
+        if is_darwin(variant):
+            check_macos_binaries(variant)
+        else:
+            check_binaries(variant, required=True)
         path = variant / "metadata.json"
         meta = json.loads(path.read_text())
         missing = [k for k in METADATA_FIELDS if k not in meta] + ([] if "type" in meta.get("backend", {}) else ["backend.type"])

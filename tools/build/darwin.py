@@ -195,6 +195,7 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
     for module in glue:
         files.copy_if_changed(module, out / module.name)
     macho_check.check_variant(out, macho_check.libraries(tc, torch.version))
+    macho_check.check_macos_binaries(out, required=False)
     return out
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from . import darwin_toolchain, macho
 
 MAX_MINOS = tuple(int(p) for p in darwin_toolchain.MIN_MACOS.split(".")) + (0,)
+PYTHON_ABI = "3.9"  # the extension's Py_LIMITED_API (common/registration.h)
 PYTHON_C_API = re.compile(r"^__?Py[A-Z_]")  # _PyLong_FromLong, __Py_NoneStruct, _PyExc_RuntimeError
 
 
@@ -101,6 +102,31 @@ def check_variant(variant: Path, allowed: dict[str, set[str]]) -> list[Path]:
     if errors:
         raise LinkCheckError("darwin link check failed:\n" + "\n".join(errors))
     return binaries
+
+
+def check_macos_binaries(variant: Path, required: bool = True) -> None:
+    """kernel-abi-check's macOS rules (what kernel-builder's check-abi applies to Hub builds): a
+    minimum macOS no newer than 26.0 on every Mach-O file, Python abi3 >= 3.9 on the extension.
+    Without the package installed: raises (required), or says so and checks nothing."""
+    try:
+        import kernel_abi_check
+    except ImportError:
+        if required:
+            raise RuntimeError("kernel-abi-check is not installed: pip install kernel-abi-check") from None
+        print("[darwin] kernel-abi-check not installed; its macOS rules not checked", file=sys.stderr)
+        return
+    found = []
+    for path in sorted(p for p in variant.iterdir() if p.suffix in (".so", ".dylib")):
+        obj = kernel_abi_check.ObjectFile(str(path))
+        if obj.format() != kernel_abi_check.BinaryFormat.MACH_O:
+            found.append(f"{path.name}: not a Mach-O file ({obj.format()})")
+            continue
+        bad = list(obj.check_macos(darwin_toolchain.MIN_MACOS))
+        if path.name.endswith(".abi3.so"):
+            bad += list(obj.check_python_abi(PYTHON_ABI))
+        found += [f"{path.name}: {b}" for b in bad]
+    if found:
+        raise LinkCheckError(f"{variant}: kernel-abi-check:\n  " + "\n  ".join(found))
 
 
 def torch_version_of(variant: Path) -> str:
