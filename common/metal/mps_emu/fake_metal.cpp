@@ -61,6 +61,7 @@ struct Obj {
   int refs = 1;
   const char* type = "";  // the Metal / Foundation type, for messages and leak counts
   void (*destroy)(Obj*) = nullptr;
+  bool counted = true;  // in live_objects() (not: tensor storage buffers, torch's on a Mac)
 };
 
 struct Registry {
@@ -131,6 +132,7 @@ void release(Obj* o) {
   if (o == nullptr || --o->refs > 0) return;
   if (o->destroy != nullptr) o->destroy(o);
   o->isa = g_zombie;
+  if (!o->counted) return;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.live.erase(r.live.find(o->type));
@@ -911,8 +913,13 @@ void encoder_pop_debug_group(Encoder* self, SEL sel) { check_open(self, sel); }
 
 // ---- class registration: before any static initialiser of metal-cpp looks a class up ----
 
+// Why the classes could not be registered ("" when they were): every entry point refuses then.
+const char* g_load_error = "";
+
 Class define_class(const char* name, Class super) {
   Class cls = objc_allocateClassPair(super, name, 0);
+  if (cls == nullptr)  // a second copy of the framework in the process: its classes exist
+    throw std::runtime_error(std::string("class ") + name + " already exists");
   if (super == nullptr)  // the GNU runtime sizes instances from their ivars: a root needs its isa
     class_addIvar(cls, "isa", sizeof(Class), 3, "#");
   return cls;
@@ -1048,17 +1055,46 @@ void register_classes() {
 
 // Priority 101: before the default-priority static initialisers of metal-cpp's
 // MTL_PRIVATE_IMPLEMENTATION unit (which look the classes up) in the same library or a dependent.
-__attribute__((constructor(101))) void load() { register_classes(); }
+__attribute__((constructor(101))) void load() {
+  try {
+    register_classes();
+  } catch (const std::exception& e) {
+    static std::string error;
+    error = std::string("fake Metal: the framework's classes could not be registered (") +
+            e.what() + "): one copy of libggml-kernels-fake-metal.so per process";
+    g_load_error = error.c_str();
+  }
+}
+
+void check_loaded() {
+  if (*g_load_error != '\0') throw Misuse(g_load_error);
+}
 
 }  // namespace
 
 // ---- the fake's own API (fake_mps.h) ----
 
 MTL::Buffer* wrap_host_memory(void* data, size_t length, bool private_storage) {
+  check_loaded();
   if (data == nullptr || length == 0) refuse("wrap_host_memory: no memory to wrap");
   record("wrap_host_memory " + std::to_string(length));
   Buffer* b = new_buffer(static_cast<uint8_t*>(data), length,
                          private_storage ? MTL::StorageModePrivate : MTL::StorageModeShared);
+  return reinterpret_cast<MTL::Buffer*>(b);
+}
+
+MTL::Buffer* storage_buffer(void* data, size_t length) {
+  static std::mutex mutex;
+  static std::map<void*, Buffer*> by_storage;
+  std::lock_guard<std::mutex> lock(mutex);
+  Buffer*& b = by_storage[data];
+  if (b != nullptr && b->length == length) return reinterpret_cast<MTL::Buffer*>(b);
+  release(b);  // (a command buffer still using it keeps it alive)
+  b = reinterpret_cast<Buffer*>(wrap_host_memory(data, length, true));
+  b->counted = false;
+  auto& r = registry();
+  std::lock_guard<std::mutex> registry_lock(r.mutex);
+  r.live.erase(r.live.find(b->type));
   return reinterpret_cast<MTL::Buffer*>(b);
 }
 
@@ -1121,6 +1157,7 @@ int libraries_made() {
 // ---- the framework's C entry points ----
 
 extern "C" __attribute__((visibility("default"))) MTL::Device* MTLCreateSystemDefaultDevice() {
+  fake_metal::check_loaded();
   fake_metal::record("MTLCreateSystemDefaultDevice");
   return reinterpret_cast<MTL::Device*>(
       fake_metal::make<fake_metal::Device>("MTLDevice"));  // +1: a Create function

@@ -42,6 +42,12 @@ constexpr size_t kMaxThreadsPerThreadgroup = 1024;
 // the memory.
 MTL::Buffer* wrap_host_memory(void* data, size_t length, bool private_storage = true);
 
+// The buffer of a twin "MPS tensor": a CPU tensor's storage, `length` bytes at `data`. Made
+// (private storage) at the first call for that storage and kept by the fake for later calls, as on
+// a Mac, where the storage owns its buffer: not retained for the caller, not counted by
+// live_objects(). A call for the same address with another length replaces it.
+MTL::Buffer* storage_buffer(void* data, size_t length);
+
 // Every message the fake received since the last reset, one line each:
 // "-[MTLBuffer contents]", "+[NSString stringWithCString:encoding:] \"name\"", ...
 std::vector<std::string> calls();
