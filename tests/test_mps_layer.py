@@ -34,7 +34,7 @@ def _ggml_tree() -> Path:
 def _metal_cpp() -> Path:
     """metal-cpp as the builds unpack it from the mlx-metal wheel (darwin toolchain or Linux twin)."""
     cache = upstream.cache_dir()
-    found = sorted([*cache.glob("darwin/mlx-metal-*/metal_cpp"), *cache.glob("mlx-metal-*/metal_cpp")])
+    found = sorted([*cache.glob("darwin/mlx-metal-*/metal_cpp"), *cache.glob("metal-cpp-*/metal_cpp")])
     found = [p for p in found if (p / "Metal" / "Metal.hpp").is_file()]
     if not found:
         pytest.skip("metal-cpp is not in the cache (it comes with the darwin or the Linux-twin build)")

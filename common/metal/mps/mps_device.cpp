@@ -102,6 +102,7 @@ int apple_family(MTL::Device* mtl) {
 }
 
 ggml_metal_device_props device_props(MTL::Device* mtl, int device) {
+  AutoreleasePool pool;  // for the device's name
   ggml_metal_device_props p{};
   p.device = device;
   p.device_virt = device;
