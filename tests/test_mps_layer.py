@@ -55,7 +55,7 @@ def _layer_flags() -> list[str]:
 def _compile_all(commands: list[list[str]]) -> None:
     """Runs the compiles side by side; fails with every compiler message."""
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
-    errors = [f"$ {' '.join(c)}\n{p.communicate()[0]}" for c, p in zip(commands, procs) if p.wait() != 0]
+    errors = [f"$ {' '.join(c)}\n{p.communicate()[0]}" for c, p in zip(commands, procs, strict=True) if p.wait() != 0]
     assert not errors, "\n".join(errors)
 
 

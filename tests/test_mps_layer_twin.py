@@ -105,6 +105,6 @@ def test_the_layer_on_the_twin_gives_the_emulated_devices_bits(drivers, case):
     assert twin_bytes == emu_bytes and set(twin_bytes) != {"0"}
     # the twin ran the graph twice (the leak check); the emulated runtime once
     assert len(twin_log) == 2 * len(emu_log) > 0
-    for twin_d, emu_d in zip(twin_log, emu_log * 2):
+    for twin_d, emu_d in zip(twin_log, emu_log * 2, strict=True):
         assert {k: twin_d[k] for k in SAME_CHOICES} == {k: emu_d[k] for k in SAME_CHOICES}
         assert set(twin_d["buffers"]) == set(emu_d["buffers"])
