@@ -237,6 +237,17 @@ def write_stubs(dest: Path) -> Path:
     return dest
 
 
+def _folders(torch_versions: tuple[str, ...]) -> list[Path]:
+    base = root()
+    return [base / f"ziglang-{ZIGLANG}", base / f"mlx-metal-{MLX_METAL}",
+            *(base / f"torch-{v}-{MACOS_WHEEL_PLATFORM}" for v in torch_versions)]
+
+
+def cached(torch_versions: tuple[str, ...] = TORCH_VERSIONS) -> bool:
+    """Whether toolchain() has everything without downloading (tests that need it are fast then)."""
+    return all((folder / ".complete").exists() for folder in _folders(torch_versions))
+
+
 def toolchain(torch_versions: tuple[str, ...] = TORCH_VERSIONS) -> Toolchain:
     """Everything a darwin build needs, fetched into the cache when missing."""
     base = root()
