@@ -1,6 +1,7 @@
 """Build, test and benchmark every package against every torch in the matrix.
 
     nox -s build                      # every package for every torch
+    nox -s build-darwin               # every package's macOS Metal variant, cross-built and link-checked
     nox -s tests                      # the test matrix: every test once, the fast tier on every torch
     nox -s "tests(torch='2.13.0')" -- packages/ggml-quantization   # one cell (see MATRIX)
     nox -s tests --install-only       # install and build every cell, run no test (.ci/run, first)
@@ -126,6 +127,17 @@ def sanitize(session: nox.Session) -> None:
     _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
     _install_llama_cpp(session)
     session.run("python", "-m", "tools.build.sanitize", *session.posargs, env=_env(session))
+
+
+@nox.session(name="build-darwin")
+def build_darwin(session: nox.Session) -> None:
+    """Cross-build every package's Metal variant for macOS arm64, packages/<name>/build/
+    torch<XY>-metal-aarch64-darwin/ for every torch of TORCH, and link-check it (tools/build/darwin.py;
+    zig, the macOS torch wheels and metal-cpp come from the package index into the cache). Nothing of
+    it runs here: `nox -s publish` uploads a darwin variant only once a Mac has passed it.
+    -- [PACKAGE ...] [--torch X.Y.Z] [--update-stubs]"""
+    session.install(*BUILD_DEPS)
+    session.run("python", "-m", "tools.build.darwin", *session.posargs, env=_env(session))
 
 
 @nox.session
