@@ -13,6 +13,9 @@ import subprocess
 import pytest
 
 from tools.build import mps_runtime, upstream
+from tools.testing.metal_host import MetalHost, library_path
+
+F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, I32, BF16 = 0, 1, 2, 8, 12, 14, 26, 30  # ggml.h's enum ggml_type
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +93,39 @@ def test_missing_debian_packages_are_named(monkeypatch):
     monkeypatch.setattr(mps_runtime.os, "geteuid", lambda: 1000)  # not root: nothing is installed
     with pytest.raises(RuntimeError, match="apt-get install clang-16 libobjc4"):
         mps_runtime.require_tools()
+
+
+def _graphs():
+    """Graphs that reach mat-vec, mat-vec-ext, mat-mat (and their _id forms), get_rows, norms,
+    element-wise and flash attention (vec and its reduce) kernels."""
+    for wt in (F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q6_K):
+        for rows in (1, 4, 9):
+            yield lambda g, wt=wt, rows=rows: g.mul_mat(g.tensor(wt, 256, 64), g.tensor(F32, 256, rows))
+        yield lambda g, wt=wt: g.get_rows(g.tensor(wt, 256, 16), g.tensor(I32, 4))
+        for tokens in (3, 40):
+            yield lambda g, wt=wt, t=tokens: g.mul_mat_id(g.tensor(wt, 256, 32, 8), g.tensor(F32, 256, 2, t),
+                                                          g.tensor(I32, 2, t))
+    yield lambda g: g.mul(g.rms_norm(g.tensor(F32, 256, 4)), g.tensor(F32, 256))
+    yield lambda g: g.l2_norm(g.tensor(F32, 256, 4))
+    yield lambda g: g.silu(g.add(g.tensor(F32, 256, 4), g.tensor(F32, 256, 4)))
+    for d in (64, 128):
+        yield lambda g, d=d: g.flash_attn(g.tensor(F32, d, 1, 4), g.tensor(F16, d, 256, 2), g.tensor(F16, d, 256, 2),
+                                          g.tensor(F16, 256, 8))
+
+
+def test_the_constants_table_asks_no_more_than_upstreams_host_code_sets():
+    """The table is a reading of the sources (a kernel reads what it and its callees name): it must
+    not refuse a function upstream's host code makes. Checked on the dispatches upstream's host code
+    encodes for the emulated device (only logged)."""
+    if not library_path().exists():
+        pytest.fail(f"{library_path()} is missing: `python -m tools.build` builds it with the ggml runtime")
+    table = mps_runtime.library_constants(upstream.ggml_tree() / "src" / "ggml-metal" / "kernels")
+    host = MetalHost()
+    checked = set()
+    for build in _graphs():
+        for d in host.compute(build, execute=False).dispatches:
+            missing = set(table.get(d["kernel"], [])) - {int(k) for k in d["constants"]}
+            assert not missing, f"{d['kernel']}: upstream sets no value for constants {sorted(missing)}"
+            if table.get(d["kernel"]):
+                checked.add(d["kernel"])
+    assert len(checked) >= 30, sorted(checked)  # kernels with constants that were checked

@@ -206,14 +206,20 @@ def kernel_constants(text: str, macros: dict[str, int]) -> dict[str, list[int]]:
     return {kernel: sorted(constants[c] for c in closure(fn)) for kernel, fn in entries.items() if kernel in names}
 
 
-def constants_table(kernels_dir: Path) -> str:
-    """The C++ table fake_metal.cpp reads (fake_metal::kKernelConstants), for upstream's kernel files."""
+def library_constants(kernels_dir: Path) -> dict[str, list[int]]:
+    """kernel_constants for every kernel of upstream's kernel files (ggml-metal/kernels/)."""
     found: dict[str, list[int]] = {}
     folders = [kernels_dir, kernels_dir.parent, kernels_dir.parent.parent]
     impl = (kernels_dir.parent / "ggml-metal-impl.h").read_text()
     macros = {m.group(1): int(m.group(2)) for m in _FC_DEFINE.finditer(impl)}
     for path in sorted(kernels_dir.glob("*.metal")):
         found.update(kernel_constants(metal_translate.inline_includes(path.read_text(), folders), macros))
+    return found
+
+
+def constants_table(kernels_dir: Path) -> str:
+    """The C++ table fake_metal.cpp reads (fake_metal::kKernelConstants), for upstream's kernel files."""
+    found = library_constants(kernels_dir)
     rows = "".join(f'    {{"{k}", k{i}, {len(v)}}},\n' for i, (k, v) in enumerate(sorted(found.items())) if v)
     arrays = "".join(f"const int32_t k{i}[] = {{{', '.join(map(str, v))}}};\n"
                      for i, (k, v) in enumerate(sorted(found.items())) if v)
