@@ -4,7 +4,9 @@ MPS device layer drives them: a dispatch of upstream's kernel_mul_mv_f32_f32 giv
 as the emulator's direct path (bitwise: the same kernel on the same inputs, no Metal in between)
 and is within 1e-4 of a float64 reference (200-term float32 dot products of values in [-1, 1]);
 each thing a real Metal runtime refuses is a C++ exception with a clear message, caught by the
-driver (the process does not abort)."""
+driver (the process does not abort). The driver tests are in the slow tier: the first build compiles
+the framework with clang (about a minute, after installing clang-16 and libobjc4 where missing), and
+nothing in them depends on torch's version."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def driver():
     return run
 
 
+@pytest.mark.slow
 def test_a_dispatch_through_metal_cpp_gives_the_emulators_bytes(driver):
     res = driver("dispatch")
     assert res.returncode == 0 and res.stdout.startswith("OK dispatches=2"), res.stdout + res.stderr
@@ -52,6 +55,7 @@ REFUSALS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", sorted(REFUSALS))
 def test_what_metal_refuses_is_an_exception_with_a_clear_message(driver, scenario):
     res = driver(scenario)

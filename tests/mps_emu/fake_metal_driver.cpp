@@ -192,6 +192,7 @@ int scenario_dispatch() {
     require(std::string(s.device->name()->utf8String()).find("fake") != std::string::npos, "name");
     require(s.pipeline->maxTotalThreadsPerThreadgroup() == 1024, "maxTotalThreadsPerThreadgroup");
     require(s.pipeline->threadExecutionWidth() == 32, "threadExecutionWidth");
+    require(reinterpret_cast<MTL::Buffer*>(0)->length() == 0, "a message to nil returns 0");
 
     // weights in a buffer of the device (shared storage: the host fills it), vectors and output in
     // host memory wrapped as private buffers (an MPS tensor's storage)
