@@ -133,3 +133,9 @@ def test_the_constants_table_asks_no_more_than_upstreams_host_code_sets():
             if table.get(d["kernel"]):
                 checked.add(d["kernel"])
     assert len(checked) >= 30, sorted(checked)  # kernels with constants that were checked
+
+
+def test_no_build_under_the_sanitizers(monkeypatch):
+    monkeypatch.setattr(mps_runtime.sanitize, "enabled", lambda: True)
+    with pytest.raises(RuntimeError, match="not built under GGML_KERNELS_SANITIZE"):
+        mps_runtime.build()

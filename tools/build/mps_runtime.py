@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tools import REPO
 
-from . import files, ggml_runtime, metal_translate, upstream
+from . import files, ggml_runtime, metal_translate, sanitize, upstream
 from . import ninja_build as ninja
 
 MLX_METAL = "0.32.4"  # the wheel metal-cpp is taken from (its headers are the macOS 26 edition)
@@ -277,6 +277,8 @@ def build(jobs: int | None = None) -> Path:
     The framework is one shared library, like Metal.framework: its Objective-C classes are
     registered once per process, whatever number of libraries over metal-cpp link it. It holds its
     own copy of the emulator (the runtime's objects, hidden symbols)."""
+    if sanitize.enabled():  # the runtime's emulator objects are gcc's ASan builds; this links with clang
+        raise RuntimeError(f"the fake Metal framework is not built under {sanitize.ENV} (its tests are in the slow tier)")
     require_tools()
     include = metal_cpp()
     runtime = ggml_runtime.build(jobs)
