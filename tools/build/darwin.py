@@ -97,12 +97,18 @@ def _ldflags(name: str) -> list[str]:
     return [f"-Wl,-install_name,@rpath/{name}", "-Wl,-rpath,@loader_path", "-Wl,-dead_strip_dylibs"]
 
 
+def uses_torch(source: Path) -> bool:
+    """Whether a source includes torch's headers (ATen, c10, torch): then it is compiled per torch."""
+    return re.search(r"^\s*#\s*include\s*<(ATen|c10|torch)/", source.read_text(), re.M) is not None
+
+
 def runtime_dir() -> Path:
     return upstream.ggml_tree().parent / "runtime-darwin"
 
 
 def build_runtimes(tc: Toolchain, jobs: int | None) -> dict[str, Path]:
-    """libggml-kernels-metal.dylib per torch version (the device layer uses torch's MPS API)."""
+    """libggml-kernels-metal.dylib per torch version (the device layer's platform part uses torch's
+    MPS API); everything else in it is compiled once."""
     tree = upstream.ggml_tree()
     src, out = tree / "src", runtime_dir()
     gen = out / "gen"
@@ -130,18 +136,25 @@ def build_runtimes(tc: Toolchain, jobs: int | None) -> dict[str, Path]:
         n.build(obj, "cxx", src / s, variables={"flags": ninja.quote(host)})
         objs.append(obj)
     layer = [gen / "metal_supports_op.cpp", gen / "metal_source.cpp", DEVICE_API, *(MPS_DIR / f for f in DEVICE_LAYER)]
+    layer_flags = COMMON_FLAGS + CXXFLAGS + [f"-D{d}" for d in GGML_DEFINES] + [
+        f"-I{tree / 'include'}", f"-I{src}", f"-I{metal_dir}", f"-I{gen}", f"-I{MPS_DIR}", f"-I{COMMON / 'metal'}",
+        f"-I{tc.metal_cpp}", f"-I{darwin_toolchain.SHIM_INCLUDE}"]
+    # compiled once; those including torch's headers once per torch (its MPS API is C++)
+    per_torch = [p for p in layer if uses_torch(p)]
+    for path in layer:
+        if path not in per_torch:
+            obj = out / "obj" / (path.name + ".o")
+            n.build(obj, "cxx", path, variables={"flags": ninja.quote(layer_flags)})
+            objs.append(obj)
     libs = {}
     for version, torch in tc.torch.items():
-        layer_flags = COMMON_FLAGS + CXXFLAGS + [f"-D{d}" for d in GGML_DEFINES] + [
-            f"-I{tree / 'include'}", f"-I{src}", f"-I{metal_dir}", f"-I{gen}", f"-I{MPS_DIR}", f"-I{COMMON / 'metal'}",
-            f"-I{tc.metal_cpp}", f"-I{darwin_toolchain.SHIM_INCLUDE}", *_torch_includes(torch)]
-        layer_objs = []
-        for path in layer:
+        torch_objs = []
+        for path in per_torch:
             obj = out / f"torch{torch.tag}" / "obj" / (path.name + ".o")
-            n.build(obj, "cxx", path, variables={"flags": ninja.quote(layer_flags)})
-            layer_objs.append(obj)
+            n.build(obj, "cxx", path, variables={"flags": ninja.quote(layer_flags + _torch_includes(torch))})
+            torch_objs.append(obj)
         lib = out / f"torch{torch.tag}" / LIBRARY
-        n.build(lib, "link", objs + layer_objs, implicit=_stub_inputs(tc, torch),
+        n.build(lib, "link", objs + torch_objs, implicit=_stub_inputs(tc, torch),
                 variables={"ldflags": ninja.quote([*_stub_inputs(tc, torch), *_ldflags(LIBRARY)])})
         libs[version] = lib
     n.write(out / "build.ninja")
