@@ -87,28 +87,34 @@ class Filter:
         return (["-o", self.ops] if self.ops else []) + (["-p", self.params] if self.params else [])
 
 
-# Every op family our packages run on Metal, at the sizes a CI machine (2 cores) gets through in a
-# few minutes: the suite's largest cases (long-KV attention, 4096-row MoE) take minutes each on the
-# emulated device and are left to --full. Measured in docs/metal.md.
+# Every op family our packages run on Metal, at sizes a CI machine (2 cores) gets through in a couple
+# of minutes; --full runs the rest (the largest cases, long-KV attention and 500k-column top-k, take
+# minutes each on the emulated device). Quantizing the types that want an importance matrix (IQ1_*,
+# IQ2_*) costs ggml-cpu ~20 s of grid set-up per process, so only the mul_mat family has them.
+# Measured in docs/metal.md.
+NO_IMATRIX_TYPES = r"(?!iq1_|iq2_)"
 CI_FILTERS: dict[str, Filter] = {
     # every storage type at 1 row (mat-vec), 2 and 5 (mat-vec-ext) and 9 (tiled mat-mat)
     "mul_mat": Filter("MUL_MAT", r"type_b=f32,m=16,n=(1|2|5|9),k=256,bs=\[1,1\],nr=\[1,1\],per=\[0,1,2,3\],k_v=0,"),
-    # the vec path (1 token) and the mapped tiles (32 tokens), every type
-    "mul_mat_id": Filter("MUL_MAT_ID", r"type_b=f32,n_mats=4,n_used=2,b=0,m=512,n=(1|32),k=256,"),
-    # head dims 64 / 128, GQA 1 / 4, vec (1 query) and tiled (32), a padded last key block, float K/V
-    "flash_attn_ext": Filter("FLASH_ATTN_EXT", r"hsk=(64|128),hsv=(64|128),nh=4,nr23=\[(1,1|4,1)\],kv=113,nb=(1|32),"
-                             r".*type_K=(f32|f16|bf16),"),
-    "get_rows": Filter("GET_ROWS", r"n=256,m=5,r=4,be1=(1|7),be2=1,v=0,vs0=0,"),
+    # the vec path (1 token) and the mapped tiles (32 tokens)
+    "mul_mat_id": Filter("MUL_MAT_ID", rf"type_a={NO_IMATRIX_TYPES}\w+,type_b=f32,n_mats=4,n_used=2,b=0,m=512,n=(1|32),k=256,"),
+    # the packages' head dims, GQA 1 / 4, vec (1 query) and tiled (32), a padded last key block, float K/V
+    "flash_attn_ext": Filter("FLASH_ATTN_EXT", r"hsk=(64|96|128|256),hsv=(64|96|128|256),nh=4,nr23=\[(1,1|4,1)\],"
+                             r"kv=113,nb=(1|32),.*type_K=(f32|f16|bf16),"),
+    "get_rows": Filter("GET_ROWS", rf"type={NO_IMATRIX_TYPES}\w+,n=256,m=5,r=4,be1=(1|7),be2=1,v=0,vs0=0,"),
     "set_rows": Filter("SET_ROWS"),
     # the 1025-wide fused cases take seconds each
     "norms": Filter("RMS_NORM,RMS_NORM_MUL_ADD,ADD_RMS_NORM,L2_NORM,NORM", r"ne=\[(?!1025,)"),
     "ssm_conv": Filter("SSM_CONV"),
     "gated_delta_net": Filter("GATED_DELTA_NET"),
-    # up to 2048 experts (ggml's top-k over 500k columns takes minutes)
-    "routing": Filter("TOP_K,ARGSORT,TOPK_MOE", r"ne=\[(\d{1,3}|1\d{3}|20[0-4]\d),\d{1,2},"),
+    # rows of up to 2048 (topk's expert counts), not ggml's 500k-column ones
+    "top_k": Filter("TOP_K,ARGSORT", r"ne=\[(\d{1,3}|1\d{3}|20[0-4]\d),\d{1,2},"),
+    # the softmax gatings (topk's), unscaled
+    "topk_moe": Filter("TOPK_MOE", r"gating_func=(0|2),scale_w=0\.0"),
     "soft_max": Filter("SOFT_MAX", r"ne=\[\d{1,2},"),
+    # not the 16M-element broadcasts
     "element_wise": Filter("ADD,SUB,MUL,DIV,SCALE,SILU,SIGMOID,SOFTPLUS,EXP,NEG,CLAMP,SWIGLU,CONCAT,SUM_ROWS",
-                           r"^type=f32,"),
+                           r"^type=f32,(?!ne=\[(64,262144|1,1,65536),)"),
 }
 FULL = {"everything": Filter(None)}
 
