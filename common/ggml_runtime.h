@@ -16,7 +16,8 @@
 #include "ggml-cpu.h"
 #include "ggml-metal.h"
 #include "ggml.h"
-#include "metal/device/metal_emu_api.h"
+#include "metal/emu/metal_emu_api.h"
+#include "metal/metal_device_api.h"
 
 namespace ggml_kernels {
 
@@ -56,8 +57,8 @@ namespace ggml_kernels {
   X(ggml_cpu_init) X(ggml_get_type_traits_cpu) X(ggml_graph_plan) X(ggml_graph_compute)            \
   X(ggml_threadpool_new) X(ggml_threadpool_free) X(ggml_threadpool_params_default)                 \
   X(ggml_backend_cpu_reg)
-// The Metal runtime: upstream's backend over our device layer (common/metal/device/), and that
-// layer's dispatch log.
+// The Metal runtime: upstream's backend over a device layer (common/metal/metal_device_api.h), and
+// that layer's dispatch log.
 #define GGML_KERNELS_METAL_FUNCTIONS(X)                                                            \
   X(ggml_backend_metal_init) X(gk_metal_threadgroups_json) X(gk_metal_dispatches_json)             \
   X(gk_metal_dispatches_reset) X(gk_metal_last_error) X(gk_metal_set_lane_schedule)

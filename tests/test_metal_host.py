@@ -12,11 +12,12 @@ Q4_K products take `kernel_mul_mv_*` for 1-3 rows, `kernel_mul_mv_ext_*_r1_<rows
 from __future__ import annotations
 
 import ctypes
+import re
 
 import numpy as np
 import pytest
 
-from tools.build import metal_runtime
+from tools.build import metal_runtime, upstream
 from tools.testing.metal_host import Graph, MetalHost, library_path
 
 F32, F16, Q4_K, Q8_0, I32, TQ1_0 = 0, 1, 12, 8, 26, 34  # ggml.h's enum ggml_type
@@ -103,6 +104,19 @@ def test_the_supports_op_cut_fails_loudly_when_upstream_moves_its_markers():
     assert metal_runtime.slice_supports_op(text).endswith("    return false;\n}\n")
     with pytest.raises(ValueError, match="ggml-metal-device.m changed"):
         metal_runtime.slice_supports_op(text.replace(metal_runtime.SLICE_ENTRY, "bool renamed(void) {"))
+
+
+def test_the_device_api_lists_every_function_upstream_writes_in_objective_c():
+    """metal_device_api.h's list (what a device layer defines; the runtime fails to link without one)
+    is every function of ggml-metal-device.h / -context.h but upstream's C++ and the cut supports_op."""
+    metal = upstream.ggml_tree() / "src" / "ggml-metal"
+    declared = {name for h in ("ggml-metal-device.h", "ggml-metal-context.h")
+                for name in re.findall(r"\b(ggml_metal_\w+)\s*\(", (metal / h).read_text())}
+    upstream_cpp = set(re.findall(r"^[A-Za-z].*?\b(ggml_metal_\w+)\s*\([^;]*$",
+                                  (metal / "ggml-metal-device.cpp").read_text(), re.M)) & declared
+    listed = re.findall(r"X\((ggml_metal_\w+)\)", (metal_runtime.METAL_DIR / "metal_device_api.h").read_text())
+    assert len(listed) == len(set(listed))
+    assert set(listed) == declared - upstream_cpp - {"ggml_metal_device_supports_op"}
 
 
 # ---- the emulated device: upstream's kernels translated to C++ and run, each GPU thread a fiber ----

@@ -141,7 +141,7 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
     include_dirs = list(dict.fromkeys(pkg / d for k in kernels for d in k.include))
     headers = [p for p in sources if p.suffix == ".h"] + [h for d in include_dirs for h in sorted(d.glob("*.h"))]
     headers = list(dict.fromkeys(headers)) + sorted(COMMON.glob("*.h"))
-    headers += [COMMON / "metal" / "device" / "metal_emu_api.h"]
+    headers += [COMMON / "metal" / "metal_device_api.h", COMMON / "metal" / "emu" / "metal_emu_api.h"]
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
 
     variant = torch_variant()

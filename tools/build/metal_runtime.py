@@ -7,8 +7,9 @@ ggml-metal-context.m). This builds `libggml-kernels-metal-emu.so` in the runtime
 - ggml-base and upstream's six C++ host files, as fetched (nothing edited, nothing committed);
 - `supports_op` (and its mul_mat helper), cut at build time out of ggml-metal-device.m, where it is
   plain C between two markers: the build fails, naming them, if they are not found exactly once;
-- our device layer (common/metal/device/): the functions of ggml-metal-device.h and ggml-metal-context.h
-  the host code calls, with no Apple type, over an executor that receives each dispatch.
+- our device layer for the emulated device (common/metal/emu/): the functions of ggml-metal-device.h and
+  ggml-metal-context.h upstream writes in Objective-C (the list: common/metal/metal_device_api.h), with no
+  Apple type, over an executor that runs each dispatch on the emulator.
 
 `ggml_backend_metal_init()` of this library is upstream's Metal backend: every kernel choice, grid,
 function constant and threadgroup memory size comes from upstream's code.
@@ -28,12 +29,19 @@ HOST_SOURCES = [
     "ggml-metal/ggml-metal.cpp", "ggml-metal/ggml-metal-ops.cpp", "ggml-metal/ggml-metal-device.cpp",
     "ggml-metal/ggml-metal-common.cpp", "ggml-metal/ggml-metal-fusion.cpp", "ggml-metal/ggml-metal-tuning.cpp",
 ]
-# ours, staged into the cache (the compile commands name no path of the checkout)
-DEVICE_DIR = REPO / "common" / "metal" / "device"
-DEVICE_FILES = ["metal_emu.h", "metal_emu_api.h", "metal_device.cpp", "metal_context.cpp", "emu_runtime.h", "emu_runtime.cpp",
-                "emu_executor.cpp", "msl.h"]
-DEVICE_SOURCES = [f for f in DEVICE_FILES if f.endswith(".cpp")]
-HEADERS = [f for f in DEVICE_FILES if f.endswith(".h")]
+# ours, staged into one folder of the cache (the compile commands name no path of the checkout):
+# the interface a Metal device layer implements and its build-time check (common/metal/), and the
+# emulated device (common/metal/emu/): our device layer (emu_device.cpp, emu_context.cpp, metal_emu.h),
+# the emulator's runtime and executor, and the MSL shim the translated kernels compile against
+METAL_DIR = REPO / "common" / "metal"
+INTERFACE_FILES = ["metal_device_api.h", "metal_device_api.cpp"]
+DEVICE_DIR = METAL_DIR / "emu"
+MSL_HEADERS = ["msl.h", "msl_types.h", "msl_math.h", "msl_simd.h", "msl_simdgroup_matrix.h"]
+DEVICE_FILES = ["metal_emu.h", "metal_emu_api.h", "emu_device.cpp", "emu_context.cpp", "emu_runtime.h", "emu_runtime.cpp",
+                "emu_executor.cpp", *MSL_HEADERS]
+STAGED = [*(METAL_DIR / f for f in INTERFACE_FILES), *(DEVICE_DIR / f for f in DEVICE_FILES)]
+DEVICE_SOURCES = [f.name for f in STAGED if f.suffix == ".cpp"]
+HEADERS = [f.name for f in STAGED if f.suffix == ".h"]
 # supports_op in ggml-metal-device.m: from its mul_mat helper to the end of the entry point
 SLICE_START = "static bool ggml_metal_supports_mul_mat_op("
 SLICE_ENTRY = "bool ggml_metal_device_supports_op(ggml_metal_device_t dev, const struct ggml_tensor * op) {"
@@ -95,8 +103,8 @@ def add_to(n: ninja.NinjaFile, *, out: Path, src: Path, flags: list[str], base_o
     """Add the library's compile and link steps to the runtime's ninja file; returns its path."""
     staged = out / "common" / "metal"
     staged.mkdir(parents=True, exist_ok=True)
-    for name in DEVICE_FILES:
-        files.write_if_changed(staged / name, (DEVICE_DIR / name).read_text())
+    for path in STAGED:
+        files.write_if_changed(staged / path.name, path.read_text())
     gen = out / "gen"
     gen.mkdir(parents=True, exist_ok=True)
     files.write_if_changed(gen / "metal_supports_op.cpp", slice_supports_op((src / "ggml-metal" / "ggml-metal-device.m").read_text()))
@@ -113,7 +121,8 @@ def add_to(n: ninja.NinjaFile, *, out: Path, src: Path, flags: list[str], base_o
         obj = out / "obj" / "metal" / (path.name + ".o")
         n.build(obj, "cxx", path, implicit=headers, variables={"flags": ninja.quote(metal_flags)})
         objs.append(obj)
-    objs += _kernel_objects(n, out=out, src=src, staged=staged, flags=flags, headers=headers)
+    kernel_headers = [staged / h for h in ("emu_runtime.h", *MSL_HEADERS)]
+    objs += _kernel_objects(n, out=out, src=src, staged=staged, flags=flags, headers=kernel_headers)
     lib = out / LIBRARY
     n.build(lib, "link", base_objs + objs + compat_objs, variables={"ldflags": ninja.quote(ldflags + [f"-Wl,-soname,{LIBRARY}"])})
     return lib

@@ -1,5 +1,6 @@
-// ggml-kernels' implementation of upstream's Metal device layer (ggml-metal-device.h and
-// ggml-metal-context.h), the part upstream writes in Objective-C. Upstream's C++ host code
+// The emulated device's implementation of upstream's Metal device layer (ggml-metal-device.h and
+// ggml-metal-context.h), the part upstream writes in Objective-C: the functions listed in
+// metal_device_api.h, in emu_device.cpp and emu_context.cpp. Upstream's C++ host code
 // (ggml-metal.cpp, -ops.cpp, -device.cpp, -common.cpp, -fusion.cpp, -tuning.cpp) is compiled
 // unmodified against it; it decides every kernel, grid, function constant and threadgroup memory
 // size, and reaches the device only through the functions declared there.
@@ -10,8 +11,8 @@
 // private GPU buffer), and the work of a command buffer by the dispatches its encoders record. What
 // runs a dispatch is an executor behind `Executor`: on Linux every dispatch is logged (kernel
 // choices, grids and bindings, for tests and `metal_dispatches()`) and then run by the emulated
-// device (emu_executor.cpp: upstream's shaders translated to C++); a macOS device on torch's MPS
-// stream would implement the same interface.
+// device (emu_executor.cpp: upstream's shaders translated to C++, emu_runtime.h). A device layer on
+// Metal itself implements the same metal_device_api.h with objects of its own.
 #pragma once
 
 #include <cstddef>
@@ -24,7 +25,8 @@
 #include <vector>
 
 #include "ggml-metal-device.h"
-#include "metal_emu_api.h"  // the C API of the dispatch log and the emulator
+#include "metal_device_api.h"  // the C API of every device layer: the dispatch log
+#include "metal_emu_api.h"     // the emulator's instrumentation
 
 namespace ggml_kernels::metal {
 
