@@ -88,7 +88,7 @@ def torch_variant() -> str:
     return f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
 
 
-def _hash_files(files, extra: str) -> str:
+def hash_files(files, extra: str) -> str:
     h = hashlib.sha256(extra.encode())
     for f in sorted(files):
         h.update(str(f.relative_to(REPO)).encode())
@@ -146,7 +146,7 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
 
     variant = torch_variant()
     recipe = torch.__version__ + "".join(sanitize.compile_flags())  # a sanitized build gets its own id
-    ext_id = f"_{py_name}_{kind.tag}_{_hash_files(sources + headers, recipe + backend)}"
+    ext_id = f"_{py_name}_{kind.tag}_{hash_files(sources + headers, recipe + backend)}"
     work = pkg / kind.folder / ".ninja" / variant
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
@@ -182,7 +182,7 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
 
     out = pkg / kind.folder / variant
     glue = python_glue(kind)
-    _assemble(out, pkg / "torch-ext" / py_name, so, kind.libraries(runtime), glue, ext_id, spec.general)
+    assemble(out, pkg / "torch-ext" / py_name, so, kind.libraries(runtime), glue, ext_id, spec.general)
     for module in glue:
         files.copy_if_changed(module, out / module.name)
     if check_abi:
@@ -196,8 +196,10 @@ def python_glue(kind: Backend) -> list[Path]:
     return sorted((COMMON / "python").glob("*.py")) + [COMMON / p for p in kind.python]
 
 
-def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue: list[Path], ext_id: str,
-              general: dict) -> None:
+def assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue: list[Path], ext_id: str,
+             general: dict, backend: str = "cpu") -> None:
+    """The variant folder kernels loads (every build kind's, the darwin one's too): `backend` is
+    metadata.json's backend type."""
     out.mkdir(parents=True, exist_ok=True)
     wanted = {so.name} | {lib.name for lib in runtime_libs} | {"_ops.py", "metadata.json", LICENSE.name, UPSTREAM_LICENSE}
     wanted |= {p.name for p in glue}
@@ -228,7 +230,7 @@ def _assemble(out: Path, py_src: Path, so: Path, runtime_libs: list[Path], glue:
         "license": general["license"],
         "upstream": general.get("upstream"),
         "python-depends": general.get("python-depends", []),
-        "backend": {"type": "cpu"},
+        "backend": {"type": backend},
     }
     files.write_if_changed(out / "metadata.json", json.dumps({k: v for k, v in metadata.items() if v is not None}, indent=2) + "\n")
 

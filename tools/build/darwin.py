@@ -22,7 +22,6 @@ Nothing of this runs here: `nox -s publish` uploads a darwin variant only once a
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -179,7 +178,7 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
     headers = sorted({*(p for p in sources if p.suffix == ".h"), *(h for d in include_dirs for h in d.glob("*.h")),
                       *COMMON.glob("*.h"), *COMMON.glob("metal/*.h"), *MPS_DIR.glob("*.h")})
     variant = variant_name(torch)
-    ext_id = f"_{py_name}_metal_{build._hash_files(sources + headers, f'darwin {torch.version}')}"
+    ext_id = f"_{py_name}_metal_{build.hash_files(sources + headers, f'darwin {torch.version}')}"
     work = pkg / "build" / ".ninja" / variant
     # Python's headers for the limited API (abi3): declarations only, the same on every platform
     # for what Py_LIMITED_API exposes; the symbols bind at load time to the interpreter's.
@@ -204,21 +203,12 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
 
     out = pkg / "build" / variant
     glue = build.python_glue(build.BACKENDS["cpu"])  # common/python only: no emulator module
-    _assemble(out, pkg / "torch-ext" / py_name, so, runtime, glue, ext_id, spec.general)
+    build.assemble(out, pkg / "torch-ext" / py_name, so, [runtime], glue, ext_id, spec.general, backend="metal")
     for module in glue:
         files.copy_if_changed(module, out / module.name)
     macho_check.check_variant(out, macho_check.libraries(tc, torch.version))
     macho_check.check_macos_binaries(out, required=False)
     return out
-
-
-def _assemble(out: Path, py_src: Path, so: Path, runtime: Path, glue: list[Path], ext_id: str, general: dict) -> None:
-    """The Linux variants' layout (build.py), with the Metal runtime beside the extension and
-    metadata saying backend metal."""
-    build._assemble(out, py_src, so, [runtime], glue, ext_id, general)
-    meta = json.loads((out / "metadata.json").read_text())
-    meta["backend"] = {"type": "metal"}
-    files.write_if_changed(out / "metadata.json", json.dumps(meta, indent=2) + "\n")
 
 
 def resolved_functions() -> list[str]:
