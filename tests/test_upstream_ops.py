@@ -142,6 +142,18 @@ def test_run_passes_filters_and_merges(tmp_path):
     assert summary.seconds > 0
 
 
+@pytest.mark.parametrize(("fa_vec_slice", "filter_slice", "disabled"), [
+    (True, True, ""), (True, False, "1"), (False, True, "1")])
+def test_flash_attention_vec_sweep_switch(tmp_path, monkeypatch, fa_vec_slice, filter_slice, disabled):
+    """upstream's sweep runs unless the run or the filter (the CI set's) switches it off."""
+    monkeypatch.delenv("LLAMA_TEST_FA_VEC_DISABLE", raising=False)
+    exe = fake_suite(tmp_path, CANNED, 1)
+    flt = upstream_ops.Filter("FLASH_ATTN_EXT", fa_vec_slice=filter_slice)
+    upstream_ops.run(exe, "MTL0", {"fa": flt}, fa_vec_slice=fa_vec_slice, verbose=False)
+    assert (tmp_path / "env").read_text().strip() == disabled
+    assert upstream_ops.CI_FILTERS["flash_attn_ext"].fa_vec_slice is False
+
+
 @pytest.mark.parametrize(("returncode", "exit_status"), [(0, 0), (1, 1)])
 def test_main_exits_non_zero_on_failure(tmp_path, monkeypatch, capsys, returncode, exit_status):
     out = CANNED if returncode else CANNED.replace(RED_FAIL, GREEN_OK).replace("2/3", "3/3")

@@ -78,10 +78,13 @@ def device(name: str) -> Device:
 @dataclasses.dataclass(frozen=True)
 class Filter:
     """One run of test-backend-ops: -o (op names or regexes, comma separated) and -p (a regex over
-    the case's parameters); None runs every case."""
+    the case's parameters); None runs every case. Where -o selects FLASH_ATTN_EXT, upstream adds a
+    sweep of its own that forces each vec-kernel variant (240 cases up to 4097 keys and head dim 576,
+    which -p does not reach): fa_vec_slice=False switches it off (LLAMA_TEST_FA_VEC_DISABLE)."""
 
     ops: str | None
     params: str | None = None
+    fa_vec_slice: bool = True
 
     def args(self) -> list[str]:
         return (["-o", self.ops] if self.ops else []) + (["-p", self.params] if self.params else [])
@@ -100,7 +103,7 @@ CI_FILTERS: dict[str, Filter] = {
     "mul_mat_id": Filter("MUL_MAT_ID", rf"type_a={NO_IMATRIX_TYPES}\w+,type_b=f32,n_mats=4,n_used=2,b=0,m=512,n=(1|32),k=256,"),
     # the packages' head dims, GQA 1 / 4, vec (1 query) and tiled (32), a padded last key block, float K/V
     "flash_attn_ext": Filter("FLASH_ATTN_EXT", r"hsk=(64|96|128|256),hsv=(64|96|128|256),nh=4,nr23=\[(1,1|4,1)\],"
-                             r"kv=113,nb=(1|32),.*type_K=(f32|f16|bf16),"),
+                             r"kv=113,nb=(1|32),.*type_K=(f32|f16|bf16),", fa_vec_slice=False),
     "get_rows": Filter("GET_ROWS", rf"type={NO_IMATRIX_TYPES}\w+,n=256,m=5,r=4,be1=(1|7),be2=1,v=0,vs0=0,"),
     "set_rows": Filter("SET_ROWS"),
     # the 1025-wide fused cases take seconds each
@@ -308,11 +311,12 @@ def _children_cpu() -> float:
 
 def run(exe: Path, backend: str, filters: dict[str, Filter], workers: int = 1, fa_vec_slice: bool = True,
         verbose: bool = True) -> Summary:
-    env = dict(os.environ)
-    if not fa_vec_slice:  # upstream's switch for its forced vec-kernel sweep (up to 4097 keys)
-        env["LLAMA_TEST_FA_VEC_DISABLE"] = "1"
+    """Each filter in a process of its own; fa_vec_slice=False switches upstream's sweep off in all."""
     total = Summary()
     for name, flt in filters.items():
+        env = dict(os.environ)
+        if not (fa_vec_slice and flt.fa_vec_slice):
+            env["LLAMA_TEST_FA_VEC_DISABLE"] = "1"
         got = run_filter(exe, backend, name, flt, workers, env, echo=verbose)
         if verbose:
             print(f"[upstream-ops] {name}: {got.count('passed')} passed, {got.count('failed')} failed, "
@@ -339,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", dest="workers", type=int, default=os.cpu_count() or 1,
                     help="test-backend-ops' parallel workers (default: the CPU count)")
     ap.add_argument("--no-fa-vec-slice", action="store_true",
-                    help="skip upstream's forced flash-attention vec sweep (run when FLASH_ATTN_EXT is selected)")
+                    help="skip upstream's forced flash-attention vec sweep (--full and -o FLASH_ATTN_EXT run it)")
     ap.add_argument("--list", action="store_true", help="print the runs' arguments, run nothing")
     args = ap.parse_args(argv)
     if args.workers < 1:
