@@ -192,7 +192,11 @@ int scenario_dispatch() {
     require(std::string(s.device->name()->utf8String()).find("fake") != std::string::npos, "name");
     require(s.pipeline->maxTotalThreadsPerThreadgroup() == 1024, "maxTotalThreadsPerThreadgroup");
     require(s.pipeline->threadExecutionWidth() == 32, "threadExecutionWidth");
-    require(reinterpret_cast<MTL::Buffer*>(0)->length() == 0, "a message to nil returns 0");
+    // a message to nil returns 0 (sent as metal-cpp sends any: objc_msgSend cast to the method's
+    // type)
+    using Length = NS::UInteger (*)(const void*, SEL);
+    require(reinterpret_cast<Length>(&objc_msgSend)(nullptr, sel_registerName("length")) == 0,
+            "a message to nil returns 0");
 
     // weights in a buffer of the device (shared storage: the host fills it), vectors and output in
     // host memory wrapped as private buffers (an MPS tensor's storage)

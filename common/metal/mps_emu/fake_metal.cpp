@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <vector>
@@ -59,10 +60,16 @@ namespace emu = ggml_kernels::metal::emu;
 struct Obj {
   Class isa;  // first: what objc_msg_lookup reads
   int refs = 1;
-  const char* type = "";  // the Metal / Foundation type, for messages and leak counts
-  void (*destroy)(Obj*) = nullptr;
+  const char* type = "";             // the Metal / Foundation type, for messages and leak counts
+  void (*destroy)(Obj*) = nullptr;   // releases the objects it holds
+  void (*destruct)(Obj*) = nullptr;  // runs its C++ destructor (frees its strings, vectors, memory)
   bool counted = true;  // in live_objects() (not: tensor storage buffers, torch's on a Mac)
 };
+
+template <class T>
+void destruct(Obj* o) {
+  static_cast<T*>(o)->~T();
+}
 
 struct Registry {
   std::mutex mutex;
@@ -111,6 +118,7 @@ T* make(const char* type, void (*destroy)(Obj*) = nullptr) {
   obj->isa = classes().at(type);
   obj->type = type;
   obj->destroy = destroy;
+  obj->destruct = &fake_metal::destruct<T>;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.live.insert(type);
@@ -127,15 +135,22 @@ void retain(Obj* o) {
   if (o != nullptr) ++o->refs;
 }
 
-// Last reference gone: free what it holds, keep the header as a zombie.
+// Last reference gone: release what it holds, destroy its members, and keep a header in its
+// memory as a zombie (the memory is never freed, so any later message finds the zombie).
 void release(Obj* o) {
   if (o == nullptr || --o->refs > 0) return;
   if (o->destroy != nullptr) o->destroy(o);
-  o->isa = g_zombie;
-  if (!o->counted) return;
+  const char* type = o->type;
+  const bool counted = o->counted;
+  o->destruct(o);
+  Obj* zombie = new (o) Obj();
+  zombie->isa = g_zombie;
+  zombie->refs = 0;
+  zombie->type = type;
+  if (!counted) return;
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.live.erase(r.live.find(o->type));
+  r.live.erase(r.live.find(type));
 }
 
 // ---- autorelease pools (per thread, innermost last) ----
@@ -281,8 +296,6 @@ struct CommandBuffer : Obj {
   Error* error = nullptr;
 };
 
-void destroy_buffer(Obj* o) { as<Buffer>(o)->owned.reset(); }
-
 void release_work(CommandBuffer* cb) {
   for (Encoded& e : cb->work) {
     for (auto& [index, b] : e.buffers) release(b.first);
@@ -309,7 +322,7 @@ std::atomic<uint64_t> g_next_buffer{1};
 constexpr int kStorageModeShift = 4;
 
 Buffer* new_buffer(uint8_t* data, size_t length, MTL::StorageMode mode) {
-  Buffer* b = make<Buffer>("MTLBuffer", destroy_buffer);
+  Buffer* b = make<Buffer>("MTLBuffer");
   b->data = data;
   b->length = length;
   b->mode = mode;
