@@ -43,6 +43,8 @@ REFUSALS = {
     "binding-index": "argument index 31 (Metal has buffer indices 0..30)",
     "threadgroup-memory": "49152 bytes of threadgroup memory in all, over the device's 32768",
     "threadgroup-memory-one": "32784 bytes, over the device's 32768-byte threadgroup memory",
+    "unbound-argument": "kernel_mul_mv_f32_f32 reads argument 2, and no buffer or bytes are bound there",
+    "unset-threadgroup-memory": "kernel_mul_mv_f32_f32 uses threadgroup memory 0, and none was set",
     "missing-constant": "function kernel_mul_mv_f32_f32: no value for its function constants at indices 600",
     "unspecialized-function": "has function constants without a value (indices 600, 602, 603, 604)",
     "double-release": "-[MTLBuffer release] sent to an object already released",
@@ -117,22 +119,33 @@ def _graphs():
                                           g.tensor(F16, 256, 8))
 
 
-def test_the_constants_table_asks_no_more_than_upstreams_host_code_sets():
-    """The table is a reading of the sources (a kernel reads what it and its callees name): it must
-    not refuse a function upstream's host code makes. Checked on the dispatches upstream's host code
-    encodes for the emulated device (only logged)."""
+def test_the_kernel_table_asks_no_more_than_upstreams_host_code_gives():
+    """The table is a reading of the sources (a kernel reads the constants it and its callees name,
+    and every argument and threadgroup memory of its signature): it must not refuse a function or a
+    dispatch upstream's host code makes. Checked on the dispatches upstream's host code encodes for
+    the emulated device (only logged)."""
     if not library_path().exists():
         pytest.fail(f"{library_path()} is missing: `python -m tools.build` builds it with the ggml runtime")
-    table = mps_runtime.library_constants(upstream.ggml_tree() / "src" / "ggml-metal" / "kernels")
+    table = mps_runtime.library_facts(upstream.ggml_tree() / "src" / "ggml-metal" / "kernels")
     host = MetalHost()
-    checked = set()
+    with_constants = set()
     for build in _graphs():
         for d in host.compute(build, execute=False).dispatches:
-            missing = set(table.get(d["kernel"], [])) - {int(k) for k in d["constants"]}
+            facts = table[d["kernel"]]
+            missing = set(facts.constants) - {int(k) for k in d["constants"]}
             assert not missing, f"{d['kernel']}: upstream sets no value for constants {sorted(missing)}"
-            if table.get(d["kernel"]):
-                checked.add(d["kernel"])
-    assert len(checked) >= 30, sorted(checked)  # kernels with constants that were checked
+            assert set(facts.buffers) <= {int(k) for k in d["buffers"]}, (d["kernel"], facts, d["buffers"])
+            assert set(facts.threadgroups) <= {int(k) for k in d["threadgroup_memory"]}, (d["kernel"], facts)
+            if facts.constants:
+                with_constants.add(d["kernel"])
+    assert len(with_constants) >= 30, sorted(with_constants)  # kernels with constants that were checked
+
+
+def test_a_kernels_arguments_are_its_signatures():
+    found = mps_runtime.kernel_arguments(KERNELS)
+    assert found == {"kernel_templ_f32": ([0, 1], []), "kernel_plain": ([0], []), "kernel_none": ([0], [])}
+    mul_mv = mps_runtime.library_facts(upstream.ggml_tree() / "src" / "ggml-metal" / "kernels")["kernel_mul_mv_f32_f32"]
+    assert (mul_mv.constants, mul_mv.buffers, mul_mv.threadgroups) == ([600, 602, 603, 604], [0, 1, 2, 3], [0])
 
 
 def test_no_build_under_the_sanitizers(monkeypatch):

@@ -296,6 +296,26 @@ const std::map<std::string, std::function<void()>>& refusals() {
          Encoding e;
          e.enc->setThreadgroupMemoryLength(32768 + 16, 0);
        }},
+      {"unbound-argument",
+       [] {
+         Encoding e;
+         MTL::Buffer* b = e.setup.device->newBuffer(4096, MTL::ResourceStorageModeShared);
+         const ggml_metal_kargs_mul_mv args = mul_mv_args();
+         e.enc->setBytes(&args, sizeof(args), 0);
+         e.enc->setBuffer(b, 0, 1);
+         e.enc->setBuffer(b, 0, 3);  // src1 (argument 2) left out
+         e.enc->setThreadgroupMemoryLength(kSmem, 0);
+         e.enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, kNsg, 1));
+       }},
+      {"unset-threadgroup-memory",
+       [] {
+         Encoding e;
+         MTL::Buffer* b = e.setup.device->newBuffer(4096, MTL::ResourceStorageModeShared);
+         const ggml_metal_kargs_mul_mv args = mul_mv_args();
+         e.enc->setBytes(&args, sizeof(args), 0);
+         for (int i = 1; i <= 3; ++i) e.enc->setBuffer(b, 0, i);
+         e.enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, kNsg, 1));
+       }},
       {"missing-constant",
        [] {
          auto constants = mul_mv_constants();

@@ -7,14 +7,15 @@ metal-cpp plus ours (common/metal/mps_emu/):
   (Debian's libobjc4), reached through an x86-64 objc_msgSend trampoline of ours (libobjc4 has
   none); its methods record every call, refuse what Metal refuses, and run committed dispatches on
   the emulated device (the runtime's emulator objects and translated kernels, shared with
-  libggml-kernels-metal-emu.so);
+  libggml-kernels-metal-emu.so); what it checks of a kernel (the function constants it reads, its
+  arguments and threadgroup memory) is a table generated here from upstream's .metal sources;
 - a fake MPS stream (at::mps::MPSStream's names, fake_mps_stream.h) and dispatch_sync_f;
 - stand-ins for the Apple headers metal-cpp includes (shims/).
 
 metal-cpp is taken at build time from the `mlx-metal` wheel on the package index (macOS tag; only
 `mlx/include/metal_cpp/` is unpacked, into the cache) and never committed. metal-cpp's block types
 need clang (`-fblocks`): Debian's clang-16. Both Debian packages are installed when missing and this
-runs as root with apt-get; otherwise the build stops naming them.
+runs as root with apt-get; otherwise the build stops naming them. Not under GGML_KERNELS_SANITIZE.
 
     python -m tools.build.mps_runtime      # builds (incrementally); prints the folder
 
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tools import REPO
@@ -55,7 +57,7 @@ METAL_CPP_IMPL = REPO / "common" / "metal" / "mps" / "metal_cpp_impl.cpp"
 CXXFLAGS = ["-std=c++17", "-fblocks", "-fPIC", "-O2", "-g", "-pthread", "-Wall", "-Wno-unused-function"]
 LINK_LIBS = [f"-l:{OBJC_RUNTIME}", "-pthread", "-lm", "-ldl"]
 LIBRARY = "libggml-kernels-fake-metal.so"
-CONSTANTS = "fake_metal_constants.cpp"  # generated: the function constants each kernel reads
+FACTS = "fake_metal_kernels.cpp"  # generated: what each kernel reads (constants, arguments)
 HIDDEN_METAL_CPP = ("-DMETALCPP_SYMBOL_VISIBILITY_HIDDEN",)
 
 
@@ -121,7 +123,7 @@ def metal_cpp() -> Path:
     return folder / "metal_cpp"
 
 
-# ---- the function constants each kernel reads ----
+# ---- what each kernel reads: function constants, arguments ----
 
 _FC_DEFINE = re.compile(r"^\s*#\s*define\s+(FC_\w+)\s+(\d+)\s*$", re.M)
 _IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
@@ -206,28 +208,58 @@ def kernel_constants(text: str, macros: dict[str, int]) -> dict[str, list[int]]:
     return {kernel: sorted(constants[c] for c in closure(fn)) for kernel, fn in entries.items() if kernel in names}
 
 
-def library_constants(kernels_dir: Path) -> dict[str, list[int]]:
-    """kernel_constants for every kernel of upstream's kernel files (ggml-metal/kernels/)."""
-    found: dict[str, list[int]] = {}
+def kernel_arguments(text: str) -> dict[str, tuple[list[int], list[int]]]:
+    """{kernel name: (its buffer argument indices, its threadgroup memory indices)}, for one kernel
+    file with its includes inlined, by the translator's reading of kernel parameters."""
+    params: dict[str, list[tuple[str, int | str]]] = {}
+    for m in metal_translate._KERNEL.finditer(text):
+        close = metal_translate._matching_paren(text, m.end() - 1)
+        params[m.group(3)] = metal_translate._param_kinds(metal_translate._split_params(text[m.end():close]), m.group(3))
+    entries = {m.group(1): m.group(2) for m in metal_translate._INSTANCE.finditer(text)}
+    entries.update({m.group(2) or m.group(3): m.group(3) for m in metal_translate._KERNEL.finditer(text)})
+    names = set(metal_translate.kernel_names(text))
+    return {kernel: (sorted(i for kind, i in params[fn] if kind == "Buffer"),
+                     sorted(i for kind, i in params[fn] if kind == "Threadgroup"))
+            for kernel, fn in entries.items() if kernel in names and fn in params}
+
+
+@dataclass
+class KernelFacts:
+    constants: list[int]  # function-constant indices it reads
+    buffers: list[int]  # argument indices of its buffers (setBytes or setBuffer)
+    threadgroups: list[int]  # indices of its threadgroup memory (setThreadgroupMemoryLength)
+
+
+def library_facts(kernels_dir: Path) -> dict[str, KernelFacts]:
+    """What Metal checks of each kernel of upstream's kernel files (ggml-metal/kernels/)."""
+    found: dict[str, KernelFacts] = {}
     folders = [kernels_dir, kernels_dir.parent, kernels_dir.parent.parent]
     impl = (kernels_dir.parent / "ggml-metal-impl.h").read_text()
     macros = {m.group(1): int(m.group(2)) for m in _FC_DEFINE.finditer(impl)}
     for path in sorted(kernels_dir.glob("*.metal")):
-        found.update(kernel_constants(metal_translate.inline_includes(path.read_text(), folders), macros))
+        text = metal_translate.inline_includes(path.read_text(), folders)
+        constants = kernel_constants(text, macros)
+        for kernel, (buffers, threadgroups) in kernel_arguments(text).items():
+            found[kernel] = KernelFacts(constants.get(kernel, []), buffers, threadgroups)
     return found
 
 
-def constants_table(kernels_dir: Path) -> str:
-    """The C++ table fake_metal.cpp reads (fake_metal::kKernelConstants), for upstream's kernel files."""
-    found = library_constants(kernels_dir)
-    rows = "".join(f'    {{"{k}", k{i}, {len(v)}}},\n' for i, (k, v) in enumerate(sorted(found.items())) if v)
-    arrays = "".join(f"const int32_t k{i}[] = {{{', '.join(map(str, v))}}};\n"
-                     for i, (k, v) in enumerate(sorted(found.items())) if v)
-    return ("// Generated by tools/build/mps_runtime.py from upstream's .metal sources: the function\n"
-            "// constants each kernel reads.\n#include <cstdint>\n\nnamespace fake_metal {\n"
-            "struct KernelConstants {\n  const char* kernel;\n  const int32_t* indices;\n  int count;\n};\n"
+def facts_table(kernels_dir: Path) -> str:
+    """The C++ table fake_metal.cpp reads (fake_metal::kKernelFacts), for upstream's kernel files:
+    index lists as arrays, argument indices as bit masks (Metal has 31)."""
+    found = sorted(library_facts(kernels_dir).items())
+    arrays = "".join(f"const int32_t c{i}[] = {{{', '.join(map(str, f.constants))}}};\n"
+                     for i, (_, f) in enumerate(found) if f.constants)
+    rows = "".join(f'    {{"{k}", {f"c{i}" if f.constants else "nullptr"}, {len(f.constants)}, '
+                   f"{hex(sum(1 << b for b in f.buffers))}u, {hex(sum(1 << b for b in f.threadgroups))}u}},\n"
+                   for i, (k, f) in enumerate(found))
+    return ("// Generated by tools/build/mps_runtime.py from upstream's .metal sources: what each kernel\n"
+            "// reads (function constants, buffer arguments, threadgroup memory).\n#include <cstdint>\n\n"
+            "namespace fake_metal {\nstruct KernelFacts {\n  const char* kernel;\n  const int32_t* constants;\n"
+            "  int constant_count;\n  uint32_t buffers;       // bit i: argument index i\n"
+            "  uint32_t threadgroups;  // bit i: threadgroup memory index i\n};\n"
             f"namespace {{\n{arrays}}}  // namespace\n"
-            f"extern const KernelConstants kKernelConstants[] = {{\n{rows}    {{nullptr, nullptr, 0}}}};\n"
+            f"extern const KernelFacts kKernelFacts[] = {{\n{rows}    {{nullptr, nullptr, 0, 0, 0}}}};\n"
             "}  // namespace fake_metal\n")
 
 
@@ -263,7 +295,7 @@ def _stage(staged: Path, src: Path) -> None:
     files.write_if_changed(staged / "emu_runtime.h", (EMU_DIR / "emu_runtime.h").read_text())
     files.write_if_changed(staged / METAL_CPP_IMPL.name, METAL_CPP_IMPL.read_text())
     files.write_if_changed(staged / DRIVER.name, DRIVER.read_text())
-    files.write_if_changed(staged / CONSTANTS, constants_table(src / "ggml-metal" / "kernels"))
+    files.write_if_changed(staged / FACTS, facts_table(src / "ggml-metal" / "kernels"))
 
 
 def link_flags(out: Path) -> list[str]:
@@ -300,7 +332,7 @@ def build(jobs: int | None = None) -> Path:
     emulator = emulator_objects(runtime)
     # metal-cpp's tables hidden: the library's (the fake stream is a metal-cpp client too) stay its
     # own next to those of a library over the device layer
-    objs = [compile_one(staged / name, HIDDEN_METAL_CPP) for name in [*FAKE_SOURCES, METAL_CPP_IMPL.name, CONSTANTS]]
+    objs = [compile_one(staged / name, HIDDEN_METAL_CPP) for name in [*FAKE_SOURCES, METAL_CPP_IMPL.name, FACTS]]
     lib = out / LIBRARY
     n.build(lib, "link", [*objs, *emulator],
             variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{LIBRARY}", "-Wl,--no-undefined",

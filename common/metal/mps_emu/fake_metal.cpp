@@ -42,14 +42,16 @@ extern const char* const kUntranslatedKernels[];
 
 namespace fake_metal {
 
-// Generated at build time (tools/build/mps_runtime.py, from upstream's .metal sources): the
-// function-constant indices each kernel reads. Ends with {nullptr, ...}.
-struct KernelConstants {
+// Generated at build time (tools/build/mps_runtime.py, from upstream's .metal sources): what each
+// kernel reads. Ends with {nullptr, ...}.
+struct KernelFacts {
   const char* kernel;
-  const int32_t* indices;
-  int count;
+  const int32_t* constants;  // function-constant indices
+  int constant_count;
+  uint32_t buffers;       // bit i: argument index i
+  uint32_t threadgroups;  // bit i: threadgroup memory index i
 };
-extern const KernelConstants kKernelConstants[];
+extern const KernelFacts kKernelFacts[];
 
 namespace {
 
@@ -625,9 +627,9 @@ Obj* device_new_pipeline(Device* self, SEL sel, Function* fn, NS::Error** error)
 
 // ---- MTLLibrary, MTLFunction ----
 
-// The function-constant indices `kernel` reads (from upstream's sources), or nullptr if none.
-const KernelConstants* declared_constants(const std::string& kernel) {
-  for (const KernelConstants* k = kKernelConstants; k->kernel != nullptr; ++k)
+// What `kernel` reads (from upstream's sources), or nullptr for a kernel the table lacks.
+const KernelFacts* kernel_facts(const std::string& kernel) {
+  for (const KernelFacts* k = kKernelFacts; k->kernel != nullptr; ++k)
     if (kernel == k->kernel) return k;
   return nullptr;
 }
@@ -652,10 +654,10 @@ Function* new_function(Library* lib, const std::string& name, const ConstantValu
     return nullptr;
   }
   std::string missing;
-  if (const KernelConstants* k = declared_constants(name)) {
-    for (int i = 0; i < k->count; ++i)
-      if (values == nullptr || values->values.count(k->indices[i]) == 0)
-        missing += (missing.empty() ? "" : ", ") + std::to_string(k->indices[i]);
+  if (const KernelFacts* k = kernel_facts(name)) {
+    for (int i = 0; i < k->constant_count; ++i)
+      if (values == nullptr || values->values.count(k->constants[i]) == 0)
+        missing += (missing.empty() ? "" : ", ") + std::to_string(k->constants[i]);
   }
   if (values != nullptr && !missing.empty()) {
     set_error(error,
@@ -865,6 +867,21 @@ void encoder_set_tg_memory(Encoder* self, SEL sel, NS::UInteger length, NS::UInt
   self->threadgroup_memory[static_cast<int>(index)] = length;
 }
 
+// Every argument and threadgroup memory the kernel reads is bound (Metal's validation refuses a
+// dispatch that leaves one out; on the emulator the kernel would read through a null pointer).
+void check_arguments(Encoder* self, SEL sel) {
+  const KernelFacts* k = kernel_facts(self->pipeline->kernel);
+  if (k == nullptr) return;
+  for (size_t i = 0; i < kBufferSlots; ++i) {
+    if ((k->buffers >> i & 1) && self->buffers.count(i) == 0 && self->bytes.count(i) == 0)
+      refuse(describe(self, sel) + ": " + k->kernel + " reads argument " + std::to_string(i) +
+             ", and no buffer or bytes are bound there");
+    if ((k->threadgroups >> i & 1) && self->threadgroup_memory.count(i) == 0)
+      refuse(describe(self, sel) + ": " + k->kernel + " uses threadgroup memory " +
+             std::to_string(i) + ", and none was set (setThreadgroupMemoryLength)");
+  }
+}
+
 void encoder_dispatch(Encoder* self, SEL sel, MTL::Size grid, MTL::Size threads) {
   check_open(self, sel);
   record(self, sel,
@@ -883,6 +900,7 @@ void encoder_dispatch(Encoder* self, SEL sel, MTL::Size grid, MTL::Size threads)
     refuse(describe(self, sel) + ": " + std::to_string(tg_total) +
            " bytes of threadgroup memory in all, over the device's " +
            std::to_string(kMaxThreadgroupMemory));
+  check_arguments(self, sel);
   Encoded e;
   e.record.kernel = self->pipeline->kernel;
   e.record.constants = self->pipeline->constants;
