@@ -298,6 +298,12 @@ def _stage(staged: Path, src: Path) -> None:
     files.write_if_changed(staged / FACTS, facts_table(src / "ggml-metal" / "kernels"))
 
 
+def framework_objects(out: Path) -> list[Path]:
+    """The framework's objects in `out` (build()), metal-cpp's tables among them, for a test binary
+    that links it statically (with emulator_objects) instead of LIBRARY."""
+    return [out / "obj" / (name + ".o") for name in [*FAKE_SOURCES, METAL_CPP_IMPL.name, FACTS]]
+
+
 def link_flags(out: Path) -> list[str]:
     """What a binary over metal-cpp links to get the fake framework built in `out` (build())."""
     return [str(out / LIBRARY), f"-Wl,-rpath,{out}", *LINK_LIBS]
@@ -333,6 +339,7 @@ def build(jobs: int | None = None) -> Path:
     # metal-cpp's tables hidden: the library's (the fake stream is a metal-cpp client too) stay its
     # own next to those of a library over the device layer
     objs = [compile_one(staged / name, HIDDEN_METAL_CPP) for name in [*FAKE_SOURCES, METAL_CPP_IMPL.name, FACTS]]
+    assert objs == framework_objects(out)
     lib = out / LIBRARY
     n.build(lib, "link", [*objs, *emulator],
             variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{LIBRARY}", "-Wl,--no-undefined",
