@@ -237,7 +237,8 @@ def run_package(package: str, settings: Settings, log=sys.stderr) -> list[Row]:
     """Every (op, workload) pair of the package's scripts, measured."""
     from kernels import get_local_kernel
 
-    kernel = get_local_kernel(REPO / "packages" / package)
+    # the CPU build, also under a CUDA build of torch (whose default backend would be its CUDA one)
+    kernel = get_local_kernel(REPO / "packages" / package, backend="cpu")
     rows = []
     for script in scripts(package):
         for pair in pair_classes(load_script(script)):
