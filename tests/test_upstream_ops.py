@@ -37,6 +37,9 @@ CANNED = textwrap.dedent(f"""\
     1/2 backends passed
     {RED_FAIL}
     """)
+# the same run, passing: no failing case, no closing list
+PASSING = (CANNED.replace(RED_FAIL, GREEN_OK).replace("2/3 tests passed", "3/3 tests passed")
+           .replace("\nFailing tests:\n  MUL_MAT(type_a=q4_0,type_b=f32,m=16,n=1,k=256,bs=[1,1])\n", "\n"))
 
 
 def test_output_is_counted_per_op():
@@ -52,10 +55,21 @@ def test_output_is_counted_per_op():
 
 
 def test_a_passing_run_is_ok():
-    out = CANNED.replace(RED_FAIL, GREEN_OK).replace("2/3 tests passed", "3/3 tests passed")
-    summary = upstream_ops.parse(out, returncode=0)
+    summary = upstream_ops.parse(PASSING, returncode=0)
     assert summary.ok and summary.count("passed") == 3 and summary.count("unsupported") == 1
     assert upstream_ops.format_summary(summary).endswith("OK in 0 s (0 s of CPU)")
+
+
+def test_a_failure_without_its_result_line_is_counted_from_the_failing_list():
+    """An allocation failure prints no result line of its own; upstream's closing list names it."""
+    out = (CANNED.replace("  MUL_MAT(type_a=f16", "failed to allocate tensors [MTL0]   MUL_MAT(type_a=f16")
+           .replace("2/3 tests passed", "2/4 tests passed")
+           .replace("  MUL_MAT(type_a=q4_0,type_b=f32,m=16,n=1,k=256,bs=[1,1])\n",
+                    "  MUL_MAT(type_a=q4_0,type_b=f32,m=16,n=1,k=256,bs=[1,1])\n  SET_ROWS(type=f16,ne=[1,2])\n"))
+    summary = upstream_ops.parse(out, returncode=1)
+    assert summary.problems == []
+    assert summary.ops["SET_ROWS"].failed == 1 and summary.ops["MUL_MAT"].failed == 1
+    assert summary.failures[-1] == "SET_ROWS(type=f16,ne=[1,2])"
 
 
 def test_flash_attention_vec_slice_is_counted():
@@ -73,7 +87,7 @@ def test_flash_attention_vec_slice_is_counted():
      "ended with status -11 (last output: MUL_MAT(type_a=f16,type_b=f32):"),
     (lambda o: o.replace("  2/3 tests passed\n", ""), 1, "no 'N/M tests passed' line"),
     (lambda o: o.replace("2/3 tests passed", "5/6 tests passed"), 1, "counted [(5, 6)], the case lines 2/3"),
-    (lambda o: o.replace(RED_FAIL, GREEN_OK).replace("2/3", "3/3"), 1, "failed (status 1) with no failing case"),
+    (lambda o: PASSING, 1, "failed (status 1) with no failing case"),
 ], ids=["crash", "no-totals", "totals-disagree", "status-without-failure"])
 def test_output_not_understood_is_an_error(edit, returncode, message):
     summary = upstream_ops.parse(edit(CANNED), returncode, label="mul_mat")
@@ -156,7 +170,7 @@ def test_flash_attention_vec_sweep_switch(tmp_path, monkeypatch, fa_vec_slice, f
 
 @pytest.mark.parametrize(("returncode", "exit_status"), [(0, 0), (1, 1)])
 def test_main_exits_non_zero_on_failure(tmp_path, monkeypatch, capsys, returncode, exit_status):
-    out = CANNED if returncode else CANNED.replace(RED_FAIL, GREEN_OK).replace("2/3", "3/3")
+    out = CANNED if returncode else PASSING
     exe = fake_suite(tmp_path, out, returncode)
     monkeypatch.setattr(upstream_ops, "build", lambda name: exe)
     assert upstream_ops.main(["-o", "MUL_MAT", "-j", "1"]) == exit_status

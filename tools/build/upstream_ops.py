@@ -203,6 +203,9 @@ CASE = re.compile(r"  (?P<op>[^\s(\[\]]+)\((?P<params>.*)\): (?P<status>OK|FAIL|
 TOTALS = re.compile(r"^  (?P<passed>\d+)/(?P<run>\d+) tests passed\s*$")
 FA_SLICE = re.compile(r"^  fa_vec \(Q,NE\) slice: (?P<run>\d+) cases run, (?P<failed>\d+) failed\s*$")
 FA_SLICE_OP = "FLASH_ATTN_EXT (vec slice)"
+# after the totals, every failing case by name: "  OP(params)"
+FAILING_HEADER = "Failing tests:"
+FAILING_ENTRY = re.compile(r"^  (?P<op>[^\s(\[\]]+)\((?P<params>.*)\)\s*$")
 
 
 @dataclasses.dataclass
@@ -241,19 +244,14 @@ class Summary:
 def parse(output: str, returncode: int = 0, label: str = "run") -> Summary:
     """test-backend-ops' console output (test mode) as counts per op; the totals it prints must agree."""
     summary = Summary()
-    totals = []
-    last_case_started = None
-    for raw in output.splitlines():
-        line = ANSI.sub("", raw)
-        if m := CASE.search(line):
-            count = summary.ops[m["op"]]
-            if m["status"] == "OK":
-                count.passed += 1
-            elif m["status"] == "FAIL":
-                count.failed += 1
-                summary.failures.append(f"{m['op']}({m['params']})")
-            else:
-                count.unsupported += 1
+    totals, listed_failing = [], collections.Counter()
+    last_output, in_failing_list = None, False
+    for line in (ANSI.sub("", raw) for raw in output.splitlines()):
+        in_failing_list = (in_failing_list and bool(FAILING_ENTRY.match(line))) or line == FAILING_HEADER
+        if in_failing_list and (m := FAILING_ENTRY.match(line)):
+            listed_failing[(m["op"], m["params"])] += 1
+        elif m := CASE.search(line):
+            _count_case(summary, m["op"], m["params"], m["status"])
         elif m := TOTALS.match(line):
             totals.append((int(m["passed"]), int(m["run"])))
         elif m := FA_SLICE.match(line):
@@ -263,11 +261,33 @@ def parse(output: str, returncode: int = 0, label: str = "run") -> Summary:
         elif line.startswith("  FAIL fa_vec slice: "):
             summary.failures.append(line.strip())
         elif line.startswith("  ") and "(" in line:
-            last_case_started = line.strip()
-    run = sum(c.passed + c.failed for op, c in summary.ops.items() if op != FA_SLICE_OP)
-    passed = sum(c.passed for op, c in summary.ops.items() if op != FA_SLICE_OP)
+            last_output = line.strip()
+    # a case that failed before its result line (e.g. "failed to allocate tensors") is only listed
+    printed_failing = collections.Counter(tuple(f.split("(", 1)) for f in summary.failures if "(" in f)
+    for (op, params), n in listed_failing.items():
+        for _ in range(n - printed_failing[(op, params + ")")]):
+            _count_case(summary, op, params, "FAIL")
+    _check_totals(summary, totals, returncode, label, last_output)
+    return summary
+
+
+def _count_case(summary: Summary, op: str, params: str, status: str) -> None:
+    count = summary.ops[op]
+    if status == "OK":
+        count.passed += 1
+    elif status == "FAIL":
+        count.failed += 1
+        summary.failures.append(f"{op}({params})")
+    else:
+        count.unsupported += 1
+
+
+def _check_totals(summary: Summary, totals: list, returncode: int, label: str, last_output: str | None) -> None:
+    """What the output does not account for is a problem: a crash, missing or disagreeing totals."""
+    cases = [c for op, c in summary.ops.items() if op != FA_SLICE_OP]
+    passed, run = sum(c.passed for c in cases), sum(c.passed + c.failed for c in cases)
     if returncode < 0 or returncode > 1:
-        where = f" (last output: {last_case_started})" if last_case_started else ""
+        where = f" (last output: {last_output})" if last_output else ""
         summary.problems.append(f"{label}: test-backend-ops ended with status {returncode}{where}")
     elif not totals:
         summary.problems.append(f"{label}: no 'N/M tests passed' line in test-backend-ops' output")
@@ -275,7 +295,6 @@ def parse(output: str, returncode: int = 0, label: str = "run") -> Summary:
         summary.problems.append(f"{label}: test-backend-ops counted {totals}, the case lines {passed}/{run}")
     elif returncode == 1 and summary.ok:
         summary.problems.append(f"{label}: test-backend-ops failed (status 1) with no failing case in its output")
-    return summary
 
 
 def format_summary(summary: Summary) -> str:
