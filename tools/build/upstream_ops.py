@@ -57,10 +57,11 @@ class Device:
 
 DEVICES = {
     "metal-emu": Device("metal-emu", metal_runtime.LIBRARY, "MTL0", ("GGML_USE_METAL",), build=lambda: ggml_runtime.build()),
-    # upstream's host code over a metal-cpp device layer and a fake Metal framework: being built;
-    # give it its library and builder here once it exists
+    # the MPS twin: upstream's host code over a metal-cpp device layer on the fake Metal framework
+    # (tools/build/mps_runtime.py builds the framework); once a library of it holds ggml-base and
+    # upstream's Metal backend, its file name and builder go here and nothing else changes
     "mps-emu": Device("mps-emu", None, "MTL0", ("GGML_USE_METAL",),
-                      missing="the MPS-twin device library does not exist yet"),
+                      missing="the MPS twin's device library does not exist yet"),
 }
 
 
@@ -177,8 +178,9 @@ def write_ninja(out: Path, runtime: Path, tree: Path, test_cpp: Path, dev: Devic
     exe = out / dev.name / EXECUTABLE
     # the device library by its soname, found next to the runtime wherever the cache lies; `$$` is
     # ninja's `$`, kept from the shell by quote()'s single quotes
+    # (-rpath-link: where a device library's own libraries, as the fake Metal framework, are found)
     ldflags = ninja.quote([library, f"-Wl,-rpath,$ORIGIN/{os.path.relpath(runtime, exe.parent)}",
-                           "-pthread", "-lm", "-ldl"]).replace("$", "$$")
+                           f"-Wl,-rpath-link,{runtime}", "-pthread", "-lm", "-ldl"]).replace("$", "$$")
     n.build(exe, "link", [test_obj, reg_obj, dl_obj, *objs], implicit=[library], variables={"ldflags": ldflags})
     n.write(out / "build.ninja")
     return exe
