@@ -10,8 +10,10 @@
 // prints "REFUSED: <message>" (exit 0) when the fake threw, or "NOT REFUSED" (exit 1).
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -249,10 +251,20 @@ int scenario_dispatch() {
   require(err < 1e-4, "within 1e-4 of the float64 reference");
   const auto records = fake_metal::dispatches();
   require(records.size() == 2 && records[0].kernel == kKernel, "two dispatch records");
-  int dispatch_calls = 0;
-  for (const std::string& line : fake_metal::calls())
-    dispatch_calls += line.find("dispatchThreadgroups:threadsPerThreadgroup:") != std::string::npos;
-  require(dispatch_calls == 2, "two dispatch calls recorded");
+  const std::vector<std::string> calls = fake_metal::calls();
+  auto count = [&](const std::string& line) {
+    return std::count(calls.begin(), calls.end(), line);
+  };
+  require(count("-[MTLComputeCommandEncoder dispatchThreadgroups:threadsPerThreadgroup:] 4x3x1 of "
+                "32x2x1") == 2,
+          "both dispatches in the call log, with their grids");
+  require(count("-[MTLComputeCommandEncoder setBuffer:offset:atIndex:] 0 @2") == 2,
+          "bindings in the call log");
+  require(count("+[NSString stringWithCString:encoding:] \"kernel_mul_mv_f32_f32\"") == 1,
+          "class methods in the call log");
+  require(count("-[MTLBuffer length]") >= 1, "getters in the call log");
+  if (std::getenv("GK_FAKE_METAL_PRINT_CALLS") != nullptr)
+    for (const std::string& line : calls) std::fprintf(stderr, "%s\n", line.c_str());
   std::printf("OK dispatches=%zu max_abs_err_vs_f64=%.3g calls=%zu source_hash=%llx\n",
               records.size(), err, fake_metal::calls().size(),
               static_cast<unsigned long long>(fake_metal::last_library_source_hash()));

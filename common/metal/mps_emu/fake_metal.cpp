@@ -104,14 +104,30 @@ std::string describe(Obj* self, SEL sel) {
   return std::string("-[") + self->type + " " + sel_getName(sel) + "]";
 }
 
+thread_local size_t t_last_line = SIZE_MAX;  // this thread's latest line in the call log
+
 void record(const std::string& line) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  if (r.calls.size() < kMaxCalls) r.calls.push_back(line);
+  t_last_line = SIZE_MAX;
+  if (r.calls.size() >= kMaxCalls) return;
+  t_last_line = r.calls.size();
+  r.calls.push_back(line);
 }
 
-void record(Obj* self, SEL sel, const std::string& detail = "") {
-  record(describe(self, sel) + (detail.empty() ? "" : " " + detail));
+// A string argument for the call log: long ones (a library's source) shortened to their start.
+std::string quoted(const std::string& text) {
+  constexpr size_t kShown = 48;
+  const size_t cut = std::min(text.find('\n'), kShown);
+  if (cut >= text.size()) return "\"" + text + "\"";
+  return "\"" + text.substr(0, cut) + "...\" (" + std::to_string(text.size()) + " bytes)";
+}
+
+// Adds `text` to the line of the message this thread is handling (its arguments, what it made).
+void detail(const std::string& text) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (t_last_line < r.calls.size()) r.calls[t_last_line] += " " + text;
 }
 
 template <class T>
@@ -333,19 +349,40 @@ Buffer* new_buffer(uint8_t* data, size_t length, MTL::StorageMode mode) {
   return b;
 }
 
-// ---- method registration ----
+// ---- method registration: every method's IMP is wrapped to log the message first ----
 
-template <class F>
-void method(const char* type, const char* selector, F* imp) {
-  // the type string is not used by the runtime's dispatch, but it must not be empty
-  class_addMethod(classes().at(type), sel_registerName(selector), reinterpret_cast<IMP>(imp),
-                  "v@:");
+void log_message(const Obj* self, SEL sel) {
+  record(std::string("-[") + self->type + " " + sel_getName(sel) + "]");
+}
+void log_message(Class cls, SEL sel) {
+  record(std::string("+[") + class_getName(cls) + " " + sel_getName(sel) + "]");
 }
 
-template <class F>
-void class_method(const char* type, const char* selector, F* imp) {
-  Class meta = *reinterpret_cast<Class*>(classes().at(type));  // a class's isa is its metaclass
-  class_addMethod(meta, sel_registerName(selector), reinterpret_cast<IMP>(imp), "v@:");
+template <auto F>
+struct Logged;
+template <class R, class Self, class... A, R (*F)(Self*, SEL, A...)>
+struct Logged<F> {
+  static R call(Self* self, SEL sel, A... args) {
+    log_message(self, sel);
+    return F(self, sel, args...);
+  }
+};
+
+// the type string is not used by the runtime's dispatch, but it must not be empty
+template <auto F>
+void method(Class cls, const char* selector) {
+  class_addMethod(cls, sel_registerName(selector), reinterpret_cast<IMP>(&Logged<F>::call), "v@:");
+}
+
+template <auto F>
+void method(const char* type, const char* selector) {
+  method<F>(classes().at(type), selector);
+}
+
+template <auto F>
+void class_method(const char* type, const char* selector) {
+  method<F>(*reinterpret_cast<Class*>(classes().at(type)),
+            selector);  // a class's isa: its metaclass
 }
 
 // Unknown selectors and messages to released objects land here (through __objc_msg_forward2).
@@ -364,18 +401,11 @@ IMP forward(id, SEL) { return reinterpret_cast<IMP>(&refuse_message); }
 // ---- NSObject (the root of every class here) ----
 
 Obj* obj_retain(Obj* self, SEL sel) {
-  record(self, sel);
   retain(self);
   return self;
 }
-void obj_release(Obj* self, SEL sel) {
-  record(self, sel);
-  release(self);
-}
-Obj* obj_autorelease(Obj* self, SEL sel) {
-  record(self, sel);
-  return autorelease(self, "autorelease");
-}
+void obj_release(Obj* self, SEL sel) { release(self); }
+Obj* obj_autorelease(Obj* self, SEL sel) { return autorelease(self, "autorelease"); }
 NS::UInteger obj_retain_count(Obj* self, SEL) { return self->refs; }
 bool obj_responds(Obj* self, SEL, SEL query) { return class_respondsToSelector(self->isa, query); }
 void* obj_signature(Obj*, SEL, SEL) { return nullptr; }
@@ -384,15 +414,11 @@ bool obj_is_equal(Obj* self, SEL, Obj* other) { return self == other; }
 Obj* obj_description(Obj* self, SEL sel) {
   return autorelease(new_string(self->type), sel_getName(sel));
 }
-Obj* obj_init(Obj* self, SEL sel) {
-  record(self, sel);
-  return self;
-}
+Obj* obj_init(Obj* self, SEL sel) { return self; }
 
 // +alloc of the classes a caller may allocate itself
 Obj* class_alloc(Class cls, SEL) {
   const std::string name = class_getName(cls);
-  record("+[" + name + " alloc]");
   if (name == "NSString") return make<String>("NSString");
   if (name == "NSAutoreleasePool") return make<Pool>("NSAutoreleasePool");
   if (name == "MTLCompileOptions")
@@ -407,7 +433,7 @@ Obj* class_alloc(Class cls, SEL) {
 
 Obj* string_with_cstring(Class, SEL sel, const char* text, NS::StringEncoding) {
   if (text == nullptr) refuse("+[NSString stringWithCString:encoding:] with a NULL string");
-  record(std::string("+[NSString stringWithCString:encoding:] \"") + text + "\"");
+  detail(quoted(text));
   return autorelease(new_string(text), sel_getName(sel));
 }
 Obj* string_empty(Class, SEL sel) { return autorelease(new_string(""), sel_getName(sel)); }
@@ -416,7 +442,7 @@ Obj* string_with_string(Class, SEL sel, Obj* other) {
 }
 Obj* string_init_cstring(String* self, SEL sel, const char* text, NS::StringEncoding) {
   if (text == nullptr) refuse("-[NSString initWithCString:encoding:] with a NULL string");
-  record(self, sel, std::string("\"") + text + "\"");
+  detail(quoted(text));
   self->text = text;
   return self;
 }
@@ -461,7 +487,6 @@ Dictionary* fill_dictionary(Dictionary* d, Obj* const* objects, Obj* const* keys
   return d;
 }
 Obj* dictionary_with(Class, SEL sel, Obj* const* objects, Obj* const* keys, NS::UInteger count) {
-  record("+[NSDictionary dictionaryWithObjects:forKeys:count:]");
   return autorelease(
       fill_dictionary(make<Dictionary>("NSDictionary", destroy_dictionary), objects, keys, count),
       sel_getName(sel));
@@ -486,12 +511,10 @@ Obj* dictionary_get(Dictionary* self, SEL, Obj* key) {
 // ---- NSAutoreleasePool ----
 
 Obj* pool_init(Pool* self, SEL sel) {
-  record(self, sel);
   t_pools.push_back(self);
   return self;
 }
 void pool_release(Pool* self, SEL sel) {
-  record(self, sel);
   drain(self);
   release(self);
 }
@@ -499,21 +522,21 @@ void pool_release(Pool* self, SEL sel) {
 // ---- MTLCompileOptions, MTLFunctionConstantValues ----
 
 void options_language(CompileOptions* self, SEL sel, NS::UInteger v) {
-  record(self, sel, std::to_string(v));
+  detail(std::to_string(v));
   self->language_version = v;
 }
 NS::UInteger options_get_language(CompileOptions* self, SEL) { return self->language_version; }
 void options_fast_math(CompileOptions* self, SEL sel, bool on) {
-  record(self, sel, on ? "YES" : "NO");
+  detail(on ? "YES" : "NO");
   self->fast_math = on;
 }
 bool options_get_fast_math(CompileOptions* self, SEL) { return self->fast_math; }
 void options_math_mode(CompileOptions* self, SEL sel, NS::Integer mode) {
-  record(self, sel, std::to_string(mode));
+  detail(std::to_string(mode));
   self->fast_math = mode == MTL::MathModeFast;
 }
 void options_macros(CompileOptions* self, SEL sel, Dictionary* macros) {
-  record(self, sel, std::to_string(macros ? macros->entries.size() : 0) + " macros");
+  detail(std::to_string(macros ? macros->entries.size() : 0) + " macros");
   retain(macros);
   release(self->macros);
   self->macros = macros;
@@ -534,7 +557,7 @@ void constants_set(ConstantValues* self, SEL sel, const void* value, MTL::DataTy
       refuse(describe(self, sel) + ": data type " + std::to_string(type) +
              " (the fake takes bool, short, ushort, int, uint)");
   }
-  record(self, sel, std::to_string(index) + " = " + std::to_string(v));
+  detail(std::to_string(index) + " = " + std::to_string(v));
   self->values[static_cast<int32_t>(index)] = v;
 }
 
@@ -550,7 +573,7 @@ uint64_t device_working_set(Device*, SEL) { return uint64_t{1} << 36; }
 bool device_unified(Device*, SEL) { return true; }
 MTL::Size device_max_threads(Device*, SEL) { return MTL::Size(1024, 1024, 1024); }
 bool device_supports_family(Device* self, SEL sel, MTL::GPUFamily family) {
-  record(self, sel, std::to_string(family));
+  detail(std::to_string(family));
   switch (family) {
     case MTL::GPUFamilyApple1:
     case MTL::GPUFamilyApple2:
@@ -568,7 +591,7 @@ bool device_supports_family(Device* self, SEL sel, MTL::GPUFamily family) {
 }
 
 Obj* device_new_buffer(Device* self, SEL sel, NS::UInteger length, MTL::ResourceOptions options) {
-  record(self, sel, std::to_string(length) + " " + std::to_string(options));
+  detail(std::to_string(length) + " " + std::to_string(options));
   if (length == 0) refuse(describe(self, sel) + ": a zero-length buffer (Metal returns nil)");
   if (length > device_max_buffer(self, sel))
     refuse(describe(self, sel) + ": " + std::to_string(length) + " bytes, over maxBufferLength");
@@ -589,7 +612,7 @@ Obj* device_new_library(Device* self, SEL sel, Obj* source, CompileOptions* opti
                         NS::Error** error) {
   const std::string text = text_of(source, "-[MTLDevice newLibraryWithSource:options:error:]");
   const uint64_t hash = fnv1a(text);
-  record(self, sel, std::to_string(text.size()) + " bytes, hash " + std::to_string(hash));
+  detail(std::to_string(text.size()) + " bytes, hash " + std::to_string(hash));
   if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
     set_error(error, "the library source is empty", "newLibraryWithSource");
     return nullptr;
@@ -604,14 +627,11 @@ Obj* device_new_library(Device* self, SEL sel, Obj* source, CompileOptions* opti
   return lib;
 }
 
-Obj* device_new_queue(Device* self, SEL sel) {
-  record(self, sel);
-  return make<Queue>("MTLCommandQueue");
-}
+Obj* device_new_queue(Device* self, SEL sel) { return make<Queue>("MTLCommandQueue"); }
 
 Obj* device_new_pipeline(Device* self, SEL sel, Function* fn, NS::Error** error) {
   if (fn == nullptr) refuse(describe(self, sel) + ": a nil function");
-  record(self, sel, fn->name);
+  detail(fn->name);
   if (!fn->missing.empty()) {
     set_error(error,
               "function " + fn->name + " has function constants without a value (indices " +
@@ -675,14 +695,14 @@ Function* new_function(Library* lib, const std::string& name, const ConstantValu
 
 Obj* library_function(Library* self, SEL sel, Obj* name) {
   const std::string n = text_of(name, "-[MTLLibrary newFunctionWithName:]");
-  record(self, sel, n);
+  detail(n);
   return new_function(self, n, nullptr, nullptr);
 }
 
 Obj* library_function_with_constants(Library* self, SEL sel, Obj* name, ConstantValues* values,
                                      NS::Error** error) {
   const std::string n = text_of(name, "-[MTLLibrary newFunctionWithName:constantValues:error:]");
-  record(self, sel, n);
+  detail(n);
   if (values == nullptr) refuse(describe(self, sel) + ": nil constant values");
   return new_function(self, n, values, error);
 }
@@ -707,13 +727,12 @@ NS::UInteger pipeline_static_tg(Pipeline*, SEL) { return 0; }
 // ---- MTLBuffer ----
 
 void* buffer_contents(Buffer* self, SEL sel) {
-  record(self, sel);
   return self->mode == MTL::StorageModePrivate ? nullptr : self->data;
 }
 NS::UInteger buffer_length(Buffer* self, SEL) { return self->length; }
 uint64_t buffer_gpu_address(Buffer* self, SEL) { return self->gpu_address; }
 void buffer_did_modify(Buffer* self, SEL sel, NS::Range range) {
-  record(self, sel, std::to_string(range.location) + " " + std::to_string(range.length));
+  detail(std::to_string(range.location) + " " + std::to_string(range.length));
   if (range.location + range.length > self->length)
     refuse(describe(self, sel) + ": a range past the buffer's end");
 }
@@ -722,7 +741,6 @@ MTL::StorageMode buffer_storage(Buffer* self, SEL) { return self->mode; }
 // ---- MTLCommandQueue, MTLCommandBuffer ----
 
 Obj* queue_command_buffer(Queue* self, SEL sel) {
-  record(self, sel);
   CommandBuffer* cb = make<CommandBuffer>("MTLCommandBuffer", destroy_command_buffer);
   retain(self);
   cb->queue = self;
@@ -730,7 +748,6 @@ Obj* queue_command_buffer(Queue* self, SEL sel) {
 }
 
 Obj* command_buffer_encoder(CommandBuffer* self, SEL sel) {
-  record(self, sel);
   if (self->status != MTL::CommandBufferStatusNotEnqueued)
     refuse(describe(self, sel) + ": the command buffer is already committed");
   if (self->open != nullptr)
@@ -745,7 +762,7 @@ Obj* command_buffer_encoder(CommandBuffer* self, SEL sel) {
 }
 
 Obj* command_buffer_encoder_with_type(CommandBuffer* self, SEL sel, MTL::DispatchType type) {
-  record(self, sel, type == MTL::DispatchTypeSerial ? "serial" : "concurrent");
+  detail(type == MTL::DispatchTypeSerial ? "serial" : "concurrent");
   return command_buffer_encoder(self, sel_registerName("computeCommandEncoder"));
 }
 
@@ -778,7 +795,7 @@ void execute(CommandBuffer* cb) {
 }
 
 void command_buffer_commit(CommandBuffer* self, SEL sel) {
-  record(self, sel, std::to_string(self->work.size()) + " commands");
+  detail(std::to_string(self->work.size()) + " commands");
   if (self->status != MTL::CommandBufferStatusNotEnqueued)
     refuse(describe(self, sel) + ": committed twice");
   if (self->open != nullptr)
@@ -798,7 +815,6 @@ void command_buffer_commit(CommandBuffer* self, SEL sel) {
 }
 
 void command_buffer_wait(CommandBuffer* self, SEL sel) {
-  record(self, sel);
   if (self->status == MTL::CommandBufferStatusNotEnqueued)
     refuse(describe(self, sel) + " before commit: on a Mac it waits forever");
 }
@@ -820,7 +836,7 @@ void check_index(Encoder* self, SEL sel, NS::UInteger index) {
 void encoder_set_pipeline(Encoder* self, SEL sel, Pipeline* p) {
   check_open(self, sel);
   if (p == nullptr) refuse(describe(self, sel) + ": a nil pipeline");
-  record(self, sel, p->kernel);
+  detail(p->kernel);
   retain(p);
   release(self->pipeline);
   self->pipeline = p;
@@ -830,7 +846,7 @@ void encoder_set_bytes(Encoder* self, SEL sel, const void* bytes, NS::UInteger l
                        NS::UInteger index) {
   check_open(self, sel);
   check_index(self, sel, index);
-  record(self, sel, std::to_string(length) + " @" + std::to_string(index));
+  detail(std::to_string(length) + " @" + std::to_string(index));
   if (bytes == nullptr || length == 0) refuse(describe(self, sel) + ": no bytes");
   if (length > kMaxSetBytesLength)
     refuse(describe(self, sel) + ": " + std::to_string(length) +
@@ -845,7 +861,7 @@ void encoder_set_buffer(Encoder* self, SEL sel, Buffer* buffer, NS::UInteger off
                         NS::UInteger index) {
   check_open(self, sel);
   check_index(self, sel, index);
-  record(self, sel, std::to_string(offset) + " @" + std::to_string(index));
+  detail(std::to_string(offset) + " @" + std::to_string(index));
   if (buffer != nullptr && offset > buffer->length)
     refuse(describe(self, sel) + ": offset " + std::to_string(offset) + " past the end of a " +
            std::to_string(buffer->length) + "-byte buffer");
@@ -860,7 +876,7 @@ void encoder_set_buffer(Encoder* self, SEL sel, Buffer* buffer, NS::UInteger off
 void encoder_set_tg_memory(Encoder* self, SEL sel, NS::UInteger length, NS::UInteger index) {
   check_open(self, sel);
   check_index(self, sel, index);
-  record(self, sel, std::to_string(length) + " @" + std::to_string(index));
+  detail(std::to_string(length) + " @" + std::to_string(index));
   if (length > kMaxThreadgroupMemory)
     refuse(describe(self, sel) + ": " + std::to_string(length) + " bytes, over the device's " +
            std::to_string(kMaxThreadgroupMemory) + "-byte threadgroup memory");
@@ -884,10 +900,9 @@ void check_arguments(Encoder* self, SEL sel) {
 
 void encoder_dispatch(Encoder* self, SEL sel, MTL::Size grid, MTL::Size threads) {
   check_open(self, sel);
-  record(self, sel,
-         std::to_string(grid.width) + "x" + std::to_string(grid.height) + "x" +
-             std::to_string(grid.depth) + " of " + std::to_string(threads.width) + "x" +
-             std::to_string(threads.height) + "x" + std::to_string(threads.depth));
+  detail(std::to_string(grid.width) + "x" + std::to_string(grid.height) + "x" +
+         std::to_string(grid.depth) + " of " + std::to_string(threads.width) + "x" +
+         std::to_string(threads.height) + "x" + std::to_string(threads.depth));
   if (self->pipeline == nullptr) refuse(describe(self, sel) + " without a pipeline state");
   const NS::UInteger total = threads.width * threads.height * threads.depth;
   if (total == 0 || total > kMaxThreadsPerThreadgroup)
@@ -922,7 +937,7 @@ void encoder_dispatch(Encoder* self, SEL sel, MTL::Size grid, MTL::Size threads)
 
 void encoder_barrier(Encoder* self, SEL sel, MTL::BarrierScope scope) {
   check_open(self, sel);
-  record(self, sel, std::to_string(scope));
+  detail(std::to_string(scope));
   Encoded e;
   e.barrier = true;
   self->owner->work.push_back(std::move(e));
@@ -930,7 +945,6 @@ void encoder_barrier(Encoder* self, SEL sel, MTL::BarrierScope scope) {
 
 void encoder_end(Encoder* self, SEL sel) {
   check_open(self, sel);
-  record(self, sel);
   self->ended = true;
   CommandBuffer* cb = self->owner;
   if (cb->open == self) {
@@ -978,23 +992,18 @@ void register_classes() {
   };
   Class root = define_class("GKFakeObject", nullptr);
   classes()["NSObject"] = root;
-  class_addMethod(root, sel_registerName("retain"), reinterpret_cast<IMP>(&obj_retain), "@@:");
-  class_addMethod(root, sel_registerName("release"), reinterpret_cast<IMP>(&obj_release), "v@:");
-  class_addMethod(root, sel_registerName("autorelease"), reinterpret_cast<IMP>(&obj_autorelease),
-                  "@@:");
-  class_addMethod(root, sel_registerName("retainCount"), reinterpret_cast<IMP>(&obj_retain_count),
-                  "Q@:");
-  class_addMethod(root, sel_registerName("respondsToSelector:"),
-                  reinterpret_cast<IMP>(&obj_responds), "C@::");
-  class_addMethod(root, sel_registerName("methodSignatureForSelector:"),
-                  reinterpret_cast<IMP>(&obj_signature), "@@::");
-  class_addMethod(root, sel_registerName("hash"), reinterpret_cast<IMP>(&obj_hash), "Q@:");
-  class_addMethod(root, sel_registerName("isEqual:"), reinterpret_cast<IMP>(&obj_is_equal), "C@:@");
-  class_addMethod(root, sel_registerName("description"), reinterpret_cast<IMP>(&obj_description),
-                  "@@:");
-  class_addMethod(root, sel_registerName("init"), reinterpret_cast<IMP>(&obj_init), "@@:");
+  method<&obj_retain>(root, "retain");
+  method<&obj_release>(root, "release");
+  method<&obj_autorelease>(root, "autorelease");
+  method<&obj_retain_count>(root, "retainCount");
+  method<&obj_responds>(root, "respondsToSelector:");
+  method<&obj_signature>(root, "methodSignatureForSelector:");
+  method<&obj_hash>(root, "hash");
+  method<&obj_is_equal>(root, "isEqual:");
+  method<&obj_description>(root, "description");
+  method<&obj_init>(root, "init");
   Class root_meta = *reinterpret_cast<Class*>(root);
-  class_addMethod(root_meta, sel_registerName("alloc"), reinterpret_cast<IMP>(&class_alloc), "@#:");
+  method<&class_alloc>(root_meta, "alloc");
   objc_registerClassPair(root);
 
   std::vector<std::pair<const char*, Class>> made;
@@ -1002,82 +1011,82 @@ void register_classes() {
   for (const auto& [type, cls] : made) classes()[type] = cls;
   g_zombie = define_class("GKFakeReleasedObject", nullptr);  // no methods: every message refused
 
-  method("NSString", "initWithCString:encoding:", &string_init_cstring);
-  method("NSString", "UTF8String", &string_utf8);
-  method("NSString", "cStringUsingEncoding:", &string_cstring);
-  method("NSString", "length", &string_length);
-  method("NSString", "lengthOfBytesUsingEncoding:", &string_bytes);
-  method("NSString", "isEqualToString:", &string_equal);
-  class_method("NSString", "stringWithCString:encoding:", &string_with_cstring);
-  class_method("NSString", "string", &string_empty);
-  class_method("NSString", "stringWithString:", &string_with_string);
-  method("NSError", "localizedDescription", &error_description);
-  method("NSError", "code", &error_code);
-  method("NSError", "domain", &error_domain);
-  method("NSError", "userInfo", &nil_result);
-  method("NSError", "localizedFailureReason", &nil_result);
-  method("NSError", "localizedRecoverySuggestion", &nil_result);
-  method("NSArray", "count", &array_count);
-  method("NSArray", "objectAtIndex:", &array_at);
-  class_method("NSDictionary", "dictionaryWithObjects:forKeys:count:", &dictionary_with);
-  class_method("NSDictionary", "dictionaryWithObject:forKey:", &dictionary_with_one);
-  class_method("NSDictionary", "dictionary", &dictionary_empty);
-  method("NSDictionary", "initWithObjects:forKeys:count:", &dictionary_init);
-  method("NSDictionary", "count", &dictionary_count);
-  method("NSDictionary", "objectForKey:", &dictionary_get);
-  method("NSAutoreleasePool", "init", &pool_init);
-  method("NSAutoreleasePool", "release", &pool_release);
-  method("NSAutoreleasePool", "drain", &pool_release);
-  method("MTLCompileOptions", "setLanguageVersion:", &options_language);
-  method("MTLCompileOptions", "languageVersion", &options_get_language);
-  method("MTLCompileOptions", "setFastMathEnabled:", &options_fast_math);
-  method("MTLCompileOptions", "fastMathEnabled", &options_get_fast_math);
-  method("MTLCompileOptions", "setMathMode:", &options_math_mode);
-  method("MTLCompileOptions", "setPreprocessorMacros:", &options_macros);
-  method("MTLCompileOptions", "preprocessorMacros", &options_get_macros);
-  method("MTLFunctionConstantValues", "setConstantValue:type:atIndex:", &constants_set);
-  method("MTLDevice", "name", &device_name);
-  method("MTLDevice", "maxThreadgroupMemoryLength", &device_tg_memory);
-  method("MTLDevice", "maxBufferLength", &device_max_buffer);
-  method("MTLDevice", "recommendedMaxWorkingSetSize", &device_working_set);
-  method("MTLDevice", "hasUnifiedMemory", &device_unified);
-  method("MTLDevice", "maxThreadsPerThreadgroup", &device_max_threads);
-  method("MTLDevice", "supportsFamily:", &device_supports_family);
-  method("MTLDevice", "newBufferWithLength:options:", &device_new_buffer);
-  method("MTLDevice", "newLibraryWithSource:options:error:", &device_new_library);
-  method("MTLDevice", "newCommandQueue", &device_new_queue);
-  method("MTLDevice", "newComputePipelineStateWithFunction:error:", &device_new_pipeline);
-  method("MTLLibrary", "newFunctionWithName:", &library_function);
-  method("MTLLibrary",
-         "newFunctionWithName:constantValues:error:", &library_function_with_constants);
-  method("MTLLibrary", "functionNames", &library_names);
-  method("MTLFunction", "name", &function_name);
-  method("MTLComputePipelineState", "maxTotalThreadsPerThreadgroup", &pipeline_max_threads);
-  method("MTLComputePipelineState", "threadExecutionWidth", &pipeline_width);
-  method("MTLComputePipelineState", "staticThreadgroupMemoryLength", &pipeline_static_tg);
-  method("MTLBuffer", "contents", &buffer_contents);
-  method("MTLBuffer", "length", &buffer_length);
-  method("MTLBuffer", "gpuAddress", &buffer_gpu_address);
-  method("MTLBuffer", "didModifyRange:", &buffer_did_modify);
-  method("MTLBuffer", "storageMode", &buffer_storage);
-  method("MTLCommandQueue", "commandBuffer", &queue_command_buffer);
-  method("MTLCommandBuffer", "computeCommandEncoder", &command_buffer_encoder);
-  method("MTLCommandBuffer",
-         "computeCommandEncoderWithDispatchType:", &command_buffer_encoder_with_type);
-  method("MTLCommandBuffer", "commit", &command_buffer_commit);
-  method("MTLCommandBuffer", "waitUntilCompleted", &command_buffer_wait);
-  method("MTLCommandBuffer", "status", &command_buffer_status);
-  method("MTLCommandBuffer", "error", &command_buffer_error);
-  method("MTLComputeCommandEncoder", "setComputePipelineState:", &encoder_set_pipeline);
-  method("MTLComputeCommandEncoder", "setBytes:length:atIndex:", &encoder_set_bytes);
-  method("MTLComputeCommandEncoder", "setBuffer:offset:atIndex:", &encoder_set_buffer);
-  method("MTLComputeCommandEncoder", "setThreadgroupMemoryLength:atIndex:", &encoder_set_tg_memory);
-  method("MTLComputeCommandEncoder",
-         "dispatchThreadgroups:threadsPerThreadgroup:", &encoder_dispatch);
-  method("MTLComputeCommandEncoder", "memoryBarrierWithScope:", &encoder_barrier);
-  method("MTLComputeCommandEncoder", "endEncoding", &encoder_end);
-  method("MTLComputeCommandEncoder", "pushDebugGroup:", &encoder_debug_group);
-  method("MTLComputeCommandEncoder", "popDebugGroup", &encoder_pop_debug_group);
+  method<&string_init_cstring>("NSString", "initWithCString:encoding:");
+  method<&string_utf8>("NSString", "UTF8String");
+  method<&string_cstring>("NSString", "cStringUsingEncoding:");
+  method<&string_length>("NSString", "length");
+  method<&string_bytes>("NSString", "lengthOfBytesUsingEncoding:");
+  method<&string_equal>("NSString", "isEqualToString:");
+  class_method<&string_with_cstring>("NSString", "stringWithCString:encoding:");
+  class_method<&string_empty>("NSString", "string");
+  class_method<&string_with_string>("NSString", "stringWithString:");
+  method<&error_description>("NSError", "localizedDescription");
+  method<&error_code>("NSError", "code");
+  method<&error_domain>("NSError", "domain");
+  method<&nil_result>("NSError", "userInfo");
+  method<&nil_result>("NSError", "localizedFailureReason");
+  method<&nil_result>("NSError", "localizedRecoverySuggestion");
+  method<&array_count>("NSArray", "count");
+  method<&array_at>("NSArray", "objectAtIndex:");
+  class_method<&dictionary_with>("NSDictionary", "dictionaryWithObjects:forKeys:count:");
+  class_method<&dictionary_with_one>("NSDictionary", "dictionaryWithObject:forKey:");
+  class_method<&dictionary_empty>("NSDictionary", "dictionary");
+  method<&dictionary_init>("NSDictionary", "initWithObjects:forKeys:count:");
+  method<&dictionary_count>("NSDictionary", "count");
+  method<&dictionary_get>("NSDictionary", "objectForKey:");
+  method<&pool_init>("NSAutoreleasePool", "init");
+  method<&pool_release>("NSAutoreleasePool", "release");
+  method<&pool_release>("NSAutoreleasePool", "drain");
+  method<&options_language>("MTLCompileOptions", "setLanguageVersion:");
+  method<&options_get_language>("MTLCompileOptions", "languageVersion");
+  method<&options_fast_math>("MTLCompileOptions", "setFastMathEnabled:");
+  method<&options_get_fast_math>("MTLCompileOptions", "fastMathEnabled");
+  method<&options_math_mode>("MTLCompileOptions", "setMathMode:");
+  method<&options_macros>("MTLCompileOptions", "setPreprocessorMacros:");
+  method<&options_get_macros>("MTLCompileOptions", "preprocessorMacros");
+  method<&constants_set>("MTLFunctionConstantValues", "setConstantValue:type:atIndex:");
+  method<&device_name>("MTLDevice", "name");
+  method<&device_tg_memory>("MTLDevice", "maxThreadgroupMemoryLength");
+  method<&device_max_buffer>("MTLDevice", "maxBufferLength");
+  method<&device_working_set>("MTLDevice", "recommendedMaxWorkingSetSize");
+  method<&device_unified>("MTLDevice", "hasUnifiedMemory");
+  method<&device_max_threads>("MTLDevice", "maxThreadsPerThreadgroup");
+  method<&device_supports_family>("MTLDevice", "supportsFamily:");
+  method<&device_new_buffer>("MTLDevice", "newBufferWithLength:options:");
+  method<&device_new_library>("MTLDevice", "newLibraryWithSource:options:error:");
+  method<&device_new_queue>("MTLDevice", "newCommandQueue");
+  method<&device_new_pipeline>("MTLDevice", "newComputePipelineStateWithFunction:error:");
+  method<&library_function>("MTLLibrary", "newFunctionWithName:");
+  method<&library_function_with_constants>("MTLLibrary",
+                                           "newFunctionWithName:constantValues:error:");
+  method<&library_names>("MTLLibrary", "functionNames");
+  method<&function_name>("MTLFunction", "name");
+  method<&pipeline_max_threads>("MTLComputePipelineState", "maxTotalThreadsPerThreadgroup");
+  method<&pipeline_width>("MTLComputePipelineState", "threadExecutionWidth");
+  method<&pipeline_static_tg>("MTLComputePipelineState", "staticThreadgroupMemoryLength");
+  method<&buffer_contents>("MTLBuffer", "contents");
+  method<&buffer_length>("MTLBuffer", "length");
+  method<&buffer_gpu_address>("MTLBuffer", "gpuAddress");
+  method<&buffer_did_modify>("MTLBuffer", "didModifyRange:");
+  method<&buffer_storage>("MTLBuffer", "storageMode");
+  method<&queue_command_buffer>("MTLCommandQueue", "commandBuffer");
+  method<&command_buffer_encoder>("MTLCommandBuffer", "computeCommandEncoder");
+  method<&command_buffer_encoder_with_type>("MTLCommandBuffer",
+                                            "computeCommandEncoderWithDispatchType:");
+  method<&command_buffer_commit>("MTLCommandBuffer", "commit");
+  method<&command_buffer_wait>("MTLCommandBuffer", "waitUntilCompleted");
+  method<&command_buffer_status>("MTLCommandBuffer", "status");
+  method<&command_buffer_error>("MTLCommandBuffer", "error");
+  method<&encoder_set_pipeline>("MTLComputeCommandEncoder", "setComputePipelineState:");
+  method<&encoder_set_bytes>("MTLComputeCommandEncoder", "setBytes:length:atIndex:");
+  method<&encoder_set_buffer>("MTLComputeCommandEncoder", "setBuffer:offset:atIndex:");
+  method<&encoder_set_tg_memory>("MTLComputeCommandEncoder", "setThreadgroupMemoryLength:atIndex:");
+  method<&encoder_dispatch>("MTLComputeCommandEncoder",
+                            "dispatchThreadgroups:threadsPerThreadgroup:");
+  method<&encoder_barrier>("MTLComputeCommandEncoder", "memoryBarrierWithScope:");
+  method<&encoder_end>("MTLComputeCommandEncoder", "endEncoding");
+  method<&encoder_debug_group>("MTLComputeCommandEncoder", "pushDebugGroup:");
+  method<&encoder_pop_debug_group>("MTLComputeCommandEncoder", "popDebugGroup");
 
   for (const auto& [type, cls] : made) objc_registerClassPair(cls);
   objc_registerClassPair(g_zombie);
