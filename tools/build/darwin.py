@@ -200,13 +200,15 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
     n.build(so, "link", objs, implicit=_stub_inputs(tc, torch), variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
     ninja.run(work, jobs)
+    allowed = macho_check.libraries(tc, torch.version)
+    macho_check.check_file(so, allowed)  # before it lands in build/
 
     out = pkg / "build" / variant
     glue = build.python_glue(build.BACKENDS["cpu"])  # common/python only: no emulator module
     build.assemble(out, pkg / "torch-ext" / py_name, so, [runtime], glue, ext_id, spec.general, backend="metal")
     for module in glue:
         files.copy_if_changed(module, out / module.name)
-    macho_check.check_variant(out, macho_check.libraries(tc, torch.version))
+    macho_check.check_variant(out, allowed)
     macho_check.check_macos_binaries(out, required=False)
     return out
 
