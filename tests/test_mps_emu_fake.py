@@ -51,6 +51,7 @@ REFUSALS = {
     "use-after-release": "-[MTLBuffer contents] sent to an object already released",
     "leak": "the leak scenario leaked 1 MTLBuffer",
     "reentrant-dispatch": "dispatch_sync_f onto the MPS stream's queue from work already running on it",
+    "encoder-off-queue": "MPSStream::commandEncoder() outside dispatch_sync_f on the stream's queue",
     "unknown-selector": "newSharedEvent]: a selector the fake Metal framework does not implement",
     "commit-open-encoder": "-[MTLCommandBuffer commit]: an encoder of this command buffer has not ended",
     "autorelease-without-pool": "this thread has no NSAutoreleasePool",

@@ -374,6 +374,7 @@ const std::map<std::string, std::function<void()>>& refusals() {
            dispatch_sync_f(static_cast<dispatch_queue_t>(queue), nullptr, [](void*) {});
          });
        }},
+      {"encoder-off-queue", [] { at::mps::getCurrentMPSStream()->commandEncoder(); }},
       {"unknown-selector",
        [] {
          Setup s;

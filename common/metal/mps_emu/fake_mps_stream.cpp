@@ -73,7 +73,13 @@ MPSCommandBuffer_t MPSStream::commandBuffer() {
   return command_buffer_;
 }
 
+// torch's encoder is shared with torch's own kernels, which encode on it from work running on the
+// stream's queue; encoding from anywhere else races with them.
 MTLComputeCommandEncoder_t MPSStream::commandEncoder() {
+  if (std::find(t_running.begin(), t_running.end(), serial_queue_) == t_running.end())
+    throw fake_metal::Misuse(
+        "MPSStream::commandEncoder() outside dispatch_sync_f on the stream's queue: torch's own "
+        "kernels encode on that encoder from the queue, so this races with them");
   if (command_encoder_ == nullptr) {
     auto* cb = static_cast<MTL::CommandBuffer*>(commandBuffer());
     NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();

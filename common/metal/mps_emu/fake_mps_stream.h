@@ -6,8 +6,9 @@
 // As on torch: one serial dispatch queue per stream, a command buffer made on first use, a
 // compute encoder kept open across kernels (coalescing) until endKernelCoalescing() or
 // synchronize(), and committing left to synchronize(). The fake refuses (fake_metal::Misuse) a
-// dispatch_sync_f onto the stream's queue from work already running on it (a deadlock on a Mac)
-// and an exception escaping work run on the queue (libdispatch does not pass it on).
+// dispatch_sync_f onto the stream's queue from work already running on it (a deadlock on a Mac),
+// an exception escaping work run on the queue (libdispatch does not pass it on), and
+// commandEncoder() from anywhere but work on the queue (it races with torch's own kernels).
 #pragma once
 
 #include <dispatch/dispatch.h>
