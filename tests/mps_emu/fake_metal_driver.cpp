@@ -194,6 +194,11 @@ int scenario_dispatch() {
     require(std::string(s.device->name()->utf8String()).find("fake") != std::string::npos, "name");
     require(s.pipeline->maxTotalThreadsPerThreadgroup() == 1024, "maxTotalThreadsPerThreadgroup");
     require(s.pipeline->threadExecutionWidth() == 32, "threadExecutionWidth");
+    // Foundation's UTF-8 string constructor (metal-cpp has none: sent as metal-cpp sends any)
+    using WithUtf8 = NS::String* (*)(const void*, SEL, const char*);
+    NS::String* abc = reinterpret_cast<WithUtf8>(&objc_msgSend)(
+        objc_lookUpClass("NSString"), sel_registerName("stringWithUTF8String:"), "abc");
+    require(abc->length() == 3 && abc->isEqualToString(str("abc")), "stringWithUTF8String:");
     // a message to nil returns 0 (sent as metal-cpp sends any: objc_msgSend cast to the method's
     // type)
     using Length = NS::UInteger (*)(const void*, SEL);

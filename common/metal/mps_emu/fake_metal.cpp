@@ -60,8 +60,8 @@ namespace emu = ggml_kernels::metal::emu;
 // ---- objects ----
 
 struct Obj {
-  Class isa;  // first: what objc_msg_lookup reads
-  int refs = 1;
+  Class isa;                         // first: what objc_msg_lookup reads
+  std::atomic<int> refs{1};          // atomic, as Cocoa's: objects are shared across threads
   const char* type = "";             // the Metal / Foundation type, for messages and leak counts
   void (*destroy)(Obj*) = nullptr;   // releases the objects it holds
   void (*destruct)(Obj*) = nullptr;  // runs its C++ destructor (frees its strings, vectors, memory)
@@ -406,7 +406,7 @@ Obj* obj_retain(Obj* self, SEL sel) {
 }
 void obj_release(Obj* self, SEL sel) { release(self); }
 Obj* obj_autorelease(Obj* self, SEL sel) { return autorelease(self, "autorelease"); }
-NS::UInteger obj_retain_count(Obj* self, SEL) { return self->refs; }
+NS::UInteger obj_retain_count(Obj* self, SEL) { return self->refs.load(); }
 bool obj_responds(Obj* self, SEL, SEL query) { return class_respondsToSelector(self->isa, query); }
 void* obj_signature(Obj*, SEL, SEL) { return nullptr; }
 NS::UInteger obj_hash(Obj* self, SEL) { return reinterpret_cast<uintptr_t>(self); }
@@ -432,19 +432,26 @@ Obj* class_alloc(Class cls, SEL) {
 // ---- NSString ----
 
 Obj* string_with_cstring(Class, SEL sel, const char* text, NS::StringEncoding) {
-  if (text == nullptr) refuse("+[NSString stringWithCString:encoding:] with a NULL string");
+  if (text == nullptr)
+    refuse(std::string("+[NSString ") + sel_getName(sel) + "] with a NULL string");
   detail(quoted(text));
   return autorelease(new_string(text), sel_getName(sel));
+}
+Obj* string_with_utf8(Class cls, SEL sel, const char* text) {
+  return string_with_cstring(cls, sel, text, NS::UTF8StringEncoding);
 }
 Obj* string_empty(Class, SEL sel) { return autorelease(new_string(""), sel_getName(sel)); }
 Obj* string_with_string(Class, SEL sel, Obj* other) {
   return autorelease(new_string(text_of(other, "+[NSString stringWithString:]")), sel_getName(sel));
 }
 Obj* string_init_cstring(String* self, SEL sel, const char* text, NS::StringEncoding) {
-  if (text == nullptr) refuse("-[NSString initWithCString:encoding:] with a NULL string");
+  if (text == nullptr) refuse(describe(self, sel) + " with a NULL string");
   detail(quoted(text));
   self->text = text;
   return self;
+}
+Obj* string_init_utf8(String* self, SEL sel, const char* text) {
+  return string_init_cstring(self, sel, text, NS::UTF8StringEncoding);
 }
 const char* string_utf8(String* self, SEL) { return self->text.c_str(); }
 const char* string_cstring(String* self, SEL, NS::StringEncoding) { return self->text.c_str(); }
@@ -1012,12 +1019,14 @@ void register_classes() {
   g_zombie = define_class("GKFakeReleasedObject", nullptr);  // no methods: every message refused
 
   method<&string_init_cstring>("NSString", "initWithCString:encoding:");
+  method<&string_init_utf8>("NSString", "initWithUTF8String:");
   method<&string_utf8>("NSString", "UTF8String");
   method<&string_cstring>("NSString", "cStringUsingEncoding:");
   method<&string_length>("NSString", "length");
   method<&string_bytes>("NSString", "lengthOfBytesUsingEncoding:");
   method<&string_equal>("NSString", "isEqualToString:");
   class_method<&string_with_cstring>("NSString", "stringWithCString:encoding:");
+  class_method<&string_with_utf8>("NSString", "stringWithUTF8String:");
   class_method<&string_empty>("NSString", "string");
   class_method<&string_with_string>("NSString", "stringWithString:");
   method<&error_description>("NSError", "localizedDescription");
