@@ -38,6 +38,12 @@ def test_a_dispatch_through_metal_cpp_gives_the_emulators_bytes(driver):
     assert res.returncode == 0 and res.stdout.startswith("OK dispatches=2"), res.stdout + res.stderr
 
 
+@pytest.mark.slow
+def test_the_trampolines_pass_every_argument_and_result(driver):
+    res = driver("trampoline")
+    assert res.returncode == 0 and res.stdout.startswith("OK"), res.stdout + res.stderr
+
+
 REFUSALS = {
     "encoder-after-end": "-[MTLComputeCommandEncoder setBytes:length:atIndex:] after endEncoding",
     "binding-index": "argument index 31 (Metal has buffer indices 0..30)",

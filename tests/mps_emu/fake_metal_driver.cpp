@@ -6,8 +6,10 @@
 // KERNELS_DIR: upstream's ggml-metal/kernels (the library source). SCENARIO "dispatch" encodes
 // upstream's kernel_mul_mv_f32_f32 through metal-cpp (own command buffer, then torch's way on the
 // MPS stream) and compares the bytes with the emulator's direct path and a float64 reference; it
-// prints "OK ..." and exits 0. Every other scenario does one thing a real Metal runtime refuses and
-// prints "REFUSED: <message>" (exit 0) when the fake threw, or "NOT REFUSED" (exit 1).
+// prints "OK ..." and exits 0; "trampoline" sends a probe class messages with every kind of
+// argument (xmm and general registers, MTLSize and scalars on the stack) and result (double, a
+// struct in memory, nil receivers). Every other scenario does one thing a real Metal runtime
+// refuses and prints "REFUSED: <message>" (exit 0) when the fake threw, or "NOT REFUSED" (exit 1).
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 #include <algorithm>
@@ -27,6 +29,16 @@
 #include "fake_mps.h"
 #include "fake_mps_stream.h"
 #include "ggml-metal-impl.h"
+
+// The GNU runtime's class building (libobjc4), for the trampoline probe.
+extern "C" {
+Class objc_allocateClassPair(Class super_class, const char* name, size_t extra_bytes);
+void objc_registerClassPair(Class cls);
+BOOL class_addMethod(Class cls, SEL name, IMP imp, const char* types);
+BOOL class_addIvar(Class cls, const char* name, size_t size, unsigned char log2_align,
+                   const char* type);
+id class_createInstance(Class cls, size_t extra_bytes);
+}
 
 namespace {
 
@@ -276,6 +288,58 @@ int scenario_dispatch() {
   return 0;
 }
 
+// ---- the objc_msgSend trampolines, on a probe class: every kind of argument arrives ----
+
+struct Triple {  // 24 bytes: returned in memory (objc_msgSend_stret)
+  double a, b, c;
+};
+
+// 8 doubles fill xmm0-7, 4 longs rdx..r9 after self and the selector; the rest is on the stack:
+// an MTLSize by value, a double and two longs past the registers.
+double probe_mix(id, SEL, double d0, double d1, double d2, double d3, double d4, double d5,
+                 double d6, double d7, long i0, long i1, long i2, long i3, MTL::Size s, double d8,
+                 long i4, long i5) {
+  return d0 + 2 * d1 + 3 * d2 + 4 * d3 + 5 * d4 + 6 * d5 + 7 * d6 + 8 * d7 + 9 * d8 + 10.0 * i0 +
+         100.0 * i1 + 1e3 * i2 + 1e4 * i3 + 1e5 * i4 + 1e6 * i5 + 1e-1 * s.width + 1e-2 * s.height +
+         1e-3 * s.depth;
+}
+
+Triple probe_triple(id, SEL, long x, float f) { return {double(x), 2.0 * x, double(f)}; }
+
+int scenario_trampoline() {
+  Class cls = objc_allocateClassPair(nullptr, "GKTrampolineProbe", 0);
+  class_addIvar(cls, "isa", sizeof(Class), 3, "#");
+  class_addMethod(cls, sel_registerName("mix"), reinterpret_cast<IMP>(&probe_mix), "d@:");
+  class_addMethod(cls, sel_registerName("triple"), reinterpret_cast<IMP>(&probe_triple), "v@:");
+  objc_registerClassPair(cls);
+  id probe = class_createInstance(cls, 0);
+
+  using Mix = double (*)(id, SEL, double, double, double, double, double, double, double, double,
+                         long, long, long, long, MTL::Size, double, long, long);
+  const MTL::Size s(7, 8, 9);
+  const double want = probe_mix(probe, nullptr, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, s, 9, 5, 6);
+  const double got = reinterpret_cast<Mix>(&objc_msgSend_fpret)(
+      probe, sel_registerName("mix"), 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, s, 9, 5, 6);
+  require(got == want, "objc_msgSend_fpret: every register and stack argument arrives");
+  const double got_plain = reinterpret_cast<Mix>(&objc_msgSend)(
+      probe, sel_registerName("mix"), 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, s, 9, 5, 6);
+  require(got_plain == want, "objc_msgSend with a double result");
+
+  using Stret = void (*)(Triple*, id, SEL, long, float);
+  Triple t{-1, -1, -1};
+  reinterpret_cast<Stret>(&objc_msgSend_stret)(&t, probe, sel_registerName("triple"), 21, 0.5f);
+  require(t.a == 21 && t.b == 42 && t.c == 0.5, "objc_msgSend_stret");
+  Triple untouched{-1, -1, -1};
+  reinterpret_cast<Stret>(&objc_msgSend_stret)(&untouched, nullptr, sel_registerName("triple"), 1,
+                                               1.0f);
+  require(untouched.a == -1, "objc_msgSend_stret to nil leaves the result alone");
+  using Nil = double (*)(id, SEL);
+  require(reinterpret_cast<Nil>(&objc_msgSend_fpret)(nullptr, sel_registerName("mix")) == 0.0,
+          "objc_msgSend_fpret to nil returns 0.0");
+  std::printf("OK mix=%.6f\n", got);
+  return 0;
+}
+
 // A command buffer with an encoder on it, for the refusal scenarios.
 struct Encoding {
   Setup setup;
@@ -429,6 +493,7 @@ int main(int argc, char** argv) {
   const std::string scenario = argv[2];
   try {
     if (scenario == "dispatch") return scenario_dispatch();
+    if (scenario == "trampoline") return scenario_trampoline();
     return scenario_refusal(scenario);
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());
