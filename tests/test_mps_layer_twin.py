@@ -26,6 +26,8 @@ MPS = REPO / "common" / "metal" / "mps"
 DRIVER = REPO / "tests" / "mps_emu" / "mps_layer_driver.cpp"
 LAYER = ["mps_device.cpp", "mps_context.cpp", "metal_cpp_impl.cpp"]
 CASES = ["rms_norm", "rms_norm_mul"]
+RUNTIME = "libggml-kernels-metal-twin.so"
+GLUE_OPS = REPO / "tests" / "mps_emu" / "mps_glue_ops.cpp"
 
 
 def _build(out: Path) -> tuple[Path, Path]:
@@ -75,6 +77,16 @@ def _build(out: Path) -> tuple[Path, Path]:
     n.build(out / "obj" / "driver-emu.o", "gxx", DRIVER, variables={"flags": ninja.quote([f"-I{metal}"] + ggml)})
     n.build(emu, "link", [out / "obj" / "driver-emu.o"],
             variables={"ldflags": ninja.quote([f"-L{runtime}", f"-l:{metal_runtime.LIBRARY}", f"-Wl,-rpath,{runtime}"])})
+    # the twin's Metal runtime for the MPS backend's glue: what the driver links, as a library
+    # (the emulated device's lane-schedule call, which the packages' loader still asks every Metal
+    # runtime for, stubbed)
+    stub = gen / "lane_schedule_stub.cpp"
+    stub.write_text('extern "C" void gk_metal_set_lane_schedule(int) {}\n')
+    n.build(out / "obj" / "lane_schedule_stub.o", "gxx", stub, variables={"flags": ""})
+    n.build(out / RUNTIME, "link", [*objs, out / "obj" / "lane_schedule_stub.o", *base, *host], implicit=[fake],
+            variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{RUNTIME}", "-Wl,--no-undefined", str(fake),
+                                               f"-Wl,-rpath,{fake.parent}", *mps_runtime.LINK_LIBS, f"-L{torch_lib}",
+                                               "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"])})
     n.write(out / "build.ninja")
     ninja.run(out, 2)
     return twin, emu
@@ -84,7 +96,7 @@ def _build(out: Path) -> tuple[Path, Path]:
 def drivers():
     if shutil.which("clang++-16") is None:
         pytest.skip("no clang++-16 (metal-cpp needs clang's blocks)")
-    return _build(ggml_runtime.runtime_dir() / "mps-layer-twin")
+    return _build(OUT)
 
 
 def _run(exe: Path, case: str) -> tuple[str, list[dict]]:
@@ -94,6 +106,7 @@ def _run(exe: Path, case: str) -> tuple[str, list[dict]]:
     return result, json.loads(log)
 
 
+OUT = ggml_runtime.runtime_dir() / "mps-layer-twin"
 SAME_CHOICES = ("kernel", "pipeline", "grid", "threads", "constants", "threadgroup_memory")
 
 
@@ -108,3 +121,68 @@ def test_the_layer_on_the_twin_gives_the_emulated_devices_bits(drivers, case):
     for twin_d, emu_d in zip(twin_log, emu_log * 2, strict=True):
         assert {k: twin_d[k] for k in SAME_CHOICES} == {k: emu_d[k] for k in SAME_CHOICES}
         assert set(twin_d["buffers"]) == set(emu_d["buffers"])
+
+
+@pytest.fixture(scope="module")
+def glue(drivers):
+    """An extension of the packages' glue (Graph, the MPS backend) over the twin's runtime."""
+    import torch.utils.cpp_extension as ext
+
+    from tools.build import mps_runtime
+
+    build_dir = OUT / "glue"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(OUT / RUNTIME, build_dir / RUNTIME)  # the backend loads it from beside itself
+    fake = mps_runtime.out_dir() / mps_runtime.LIBRARY
+    tree = upstream.ggml_tree()
+    common = REPO / "common"
+    return ext.load(
+        name="mps_glue_twin", build_directory=str(build_dir), verbose=False,
+        sources=[str(GLUE_OPS), str(common / "ggml_torch.cpp"), str(common / "ggml_runtime.cpp"), str(MPS / "mps_backend.cpp")],
+        extra_include_paths=[str(common), str(MPS), str(tree / "include")],
+        extra_cflags=["-O1", "-DGGML_KERNELS_BACKEND_METAL=1", "-DGGML_KERNELS_BACKEND_MPS=1",
+                      f"'-DGGML_KERNELS_MPS_RUNTIME=\"{RUNTIME}\"'",  # through ninja's shell
+                      "-DGGML_KERNELS_MPS_DEVICE=CPU",  # the twin's MPS tensors are CPU tensors
+                      "-Wno-deprecated-declarations"],
+        # mps_platform.h on the twin (the backend's tensor_buffer, synchronize): clang-built, over the fake
+        extra_ldflags=[str(OUT / "obj" / "mps_platform_fake.cpp.o"), str(fake), f"-Wl,-rpath,{fake.parent}",
+                       f"-l:{mps_runtime.OBJC_RUNTIME}"])
+
+
+def _rms_norm(x, eps):
+    import torch
+
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_the_mps_backend_binds_tensors_in_place_copies_strided_results_and_uses_scratch(glue):
+    import torch
+
+    assert glue.backend() == "metal"
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 4096), torch.randn(4096)
+    ref = (_rms_norm(x, 1e-6) * w.double()).float()
+    out = torch.empty(5, 4096)
+    glue.reset_dispatches()
+    glue.rms_norm_mul(x, w, 1e-6, out)  # in place: the result is computed in out's own memory
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    kernels = [d["kernel"] for d in json.loads(glue.dispatches())]
+    assert kernels == ["kernel_rms_norm_mul_f32_4"]
+
+    wide = torch.full((5, 8192), 7.0)
+    glue.rms_norm_mul(x, w, 1e-6, wide[:, 1000:5096])  # strided: computed in the scratch, copied
+    torch.testing.assert_close(wide[:, 1000:5096], ref, rtol=1e-5, atol=1e-5)
+    assert (wide[:, :1000] == 7).all() and (wide[:, 5096:] == 7).all()
+
+    # x and out are views of one storage: one buffer, at their offsets
+    both = torch.cat([x, torch.zeros(5, 4096)], dim=1)
+    glue.rms_norm_mul(both[:, :4096], w, 1e-6, both[:, 4096:])
+    torch.testing.assert_close(both[:, 4096:], ref, rtol=1e-5, atol=1e-5)
+
+    out = torch.empty(5, 4096)
+    glue.reset_dispatches()
+    glue.rms_norm_silu(x, out)  # the norm's result lives in the scratch tensor
+    torch.testing.assert_close(out, torch.nn.functional.silu(_rms_norm(x, 1e-6)).float(), rtol=1e-5, atol=1e-5)
+    kernels = [d["kernel"] for d in json.loads(glue.dispatches())]
+    assert len(kernels) == 2 and kernels[0] == "kernel_rms_norm_f32_4", kernels

@@ -117,6 +117,14 @@ void torch_layout(const ggml_tensor* g, std::vector<int64_t>& sizes,
   }
 }
 
+// A result computed in the scratch is laid out densely there.
+void make_dense(ggml_tensor* g) {
+  const auto& G = ggml();
+  g->nb[0] = G.ggml_type_size(g->type);
+  g->nb[1] = G.ggml_row_size(g->type, g->ne[0]);
+  for (int i = 2; i < 4; ++i) g->nb[i] = g->nb[i - 1] * static_cast<size_t>(g->ne[i - 1]);
+}
+
 bool dense(const ggml_tensor* g) {
   const auto& G = ggml();
   size_t expected = G.ggml_type_size(g->type);
@@ -175,6 +183,7 @@ Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory
       const int64_t es = t.element_size();
       p.copies.emplace_back(
           g, t.as_strided(sizes, strides, t.storage_offset() + byte_offset(g, t) / es));
+      make_dense(g);  // in the scratch (Restore puts its strides back)
     }
     p.scratch.emplace_back(g, p.scratch_bytes);
     p.scratch_bytes += aligned(room(dev.buft, g), dev.alignment);
