@@ -87,8 +87,6 @@ Registry& registry() {
   return *r;
 }
 
-constexpr size_t kMaxCalls = 200000;
-
 Class g_zombie = nullptr;  // constant-initialised: set by load() before dynamic initialisers
 
 // Our classes by type name, filled once at load (a function-local static: load() runs before the

@@ -48,8 +48,10 @@ MTL::Buffer* wrap_host_memory(void* data, size_t length, bool private_storage = 
 // live_objects(). A call for the same address with another length replaces it.
 MTL::Buffer* storage_buffer(void* data, size_t length);
 
-// Every message the fake received since the last reset, one line each:
+// Every message the fake received since the last reset (the first kMaxCalls), one line each, with
+// its arguments where they say something:
 // "-[MTLBuffer contents]", "+[NSString stringWithCString:encoding:] \"name\"", ...
+constexpr size_t kMaxCalls = 200000;
 std::vector<std::string> calls();
 void reset_calls();
 
