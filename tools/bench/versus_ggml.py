@@ -223,7 +223,8 @@ def measure(pair: Pair, kernel, workload: str, settings: Settings) -> Row:
     ggml, run_ggml = prepared(pair.ggml, kernel, workload)
     verify(ours, workload, run_ours)
     verify(ggml, workload, run_ggml)
-    warm = [_block_ms(fn, settings.warmup, time.perf_counter) for fn in (run_ours, run_ggml)]
+    # k from each side's fastest warm-up call: one preempted call must not shrink every block to 1 call
+    warm = [min(_block_ms(fn, 1, time.perf_counter) for _ in range(settings.warmup)) for fn in (run_ours, run_ggml)]
     calls = calls_per_block(max(warm), settings)
     timing = alternate(run_ours, run_ggml, settings.rounds, calls)
     return Row("", pair.op, workload, timing.ours_median, timing.ggml_median, timing.ratio, settings.rounds, calls)
