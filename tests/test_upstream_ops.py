@@ -84,7 +84,7 @@ def test_flash_attention_vec_slice_is_counted():
 
 @pytest.mark.parametrize(("edit", "returncode", "message"), [
     (lambda o: o.split("  MUL_MAT(type_a=f16")[0] + "  MUL_MAT(type_a=f16,type_b=f32): ", -11,
-     "ended with status -11 (last output: MUL_MAT(type_a=f16,type_b=f32):"),
+     "was killed by SIGSEGV (last output: MUL_MAT(type_a=f16,type_b=f32):"),
     (lambda o: o.replace("  2/3 tests passed\n", ""), 1, "no 'N/M tests passed' line"),
     (lambda o: o.replace("2/3 tests passed", "5/6 tests passed"), 1, "counted [(5, 6)], the case lines 2/3"),
     (lambda o: PASSING, 1, "failed (status 1) with no failing case"),
@@ -105,6 +105,10 @@ def test_filters_ci_full_and_selection():
     assert upstream_ops.Filter(None).args() == []
     with pytest.raises(ValueError, match="--full runs every case"):
         upstream_ops.select(True, "MUL_MAT", None)
+    with pytest.raises(ValueError, match=r"-p 'type=\(' is not a regular expression"):
+        upstream_ops.select(False, "MUL_MAT", "type=(")
+    # a full case name in -o (commas inside its parentheses) is matched exactly, not as a regex
+    assert upstream_ops.select(False, "ADD(type=f16,ne=[1,1,1,1]),MUL_MAT", None)
 
 
 def test_ci_filters_cover_the_op_families_the_packages_run_on_metal():
@@ -184,6 +188,7 @@ def test_main_exits_non_zero_on_failure(tmp_path, monkeypatch, capsys, returncod
     (["--device", "mps-emu"], "does not exist yet"),
     (["--device", "cuda"], "invalid choice"),
     (["-j", "0"], "-j must be at least 1"),
+    (["-p", "ne=[1"], "is not a regular expression"),
 ])
 def test_main_refuses_bad_arguments(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(upstream_ops, "build", lambda name: pytest.fail("built"))

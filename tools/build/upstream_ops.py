@@ -26,6 +26,7 @@ import dataclasses
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tarfile
@@ -289,8 +290,9 @@ def _check_totals(summary: Summary, totals: list, returncode: int, label: str, l
     cases = [c for op, c in summary.ops.items() if op != FA_SLICE_OP]
     passed, run = sum(c.passed for c in cases), sum(c.passed + c.failed for c in cases)
     if returncode < 0 or returncode > 1:
+        how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"ended with status {returncode}"
         where = f" (last output: {last_output})" if last_output else ""
-        summary.problems.append(f"{label}: test-backend-ops ended with status {returncode}{where}")
+        summary.problems.append(f"{label}: test-backend-ops {how}{where}")
     elif not totals:
         summary.problems.append(f"{label}: no 'N/M tests passed' line in test-backend-ops' output")
     elif totals != [(passed, run)]:
@@ -351,8 +353,20 @@ def select(full: bool, ops: str | None, params: str | None) -> dict[str, Filter]
     if (ops or params) and full:
         raise ValueError("--full runs every case: give it no -o / -p")
     if ops or params:
+        _check_regex("-p", params)  # (an -o entry that is no regex matches nothing: upstream's choice)
         return {"selection": Filter(ops, params)}
     return FULL if full else CI_FILTERS
+
+
+def _check_regex(flag: str, pattern: str | None) -> None:
+    """test-backend-ops aborts on a -p it cannot compile (a std::regex_error): say so first. Python's
+    syntax is close enough to C++'s ECMAScript regexes to catch what a typo breaks."""
+    if pattern is None:
+        return
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{flag} {pattern!r} is not a regular expression: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
