@@ -57,7 +57,7 @@ class Device:
 
 
 DEVICES = {
-    "metal-emu": Device("metal-emu", metal_runtime.LIBRARY, "MTL0", ("GGML_USE_METAL",), build=lambda: ggml_runtime.build()),
+    "metal-emu": Device("metal-emu", metal_runtime.LIBRARY, "MTL0", ("GGML_USE_METAL",), build=ggml_runtime.build),
     # the MPS twin: upstream's host code over a metal-cpp device layer on the fake Metal framework
     # (tools/build/mps_runtime.py builds the framework); once a library of it holds ggml-base and
     # upstream's Metal backend, its file name and builder go here and nothing else changes
@@ -94,8 +94,8 @@ class Filter:
 
 # Every op family our packages run on Metal, at sizes a CI machine (2 cores) gets through in a couple
 # of minutes; --full runs the rest (the largest cases, long-KV attention and 500k-column top-k, take
-# minutes each on the emulated device). Quantizing the types that want an importance matrix (IQ1_*,
-# IQ2_*) costs ggml-cpu ~20 s of grid set-up per process, so only the mul_mat family has them.
+# minutes each on the emulated device). The types that want an importance matrix (IQ1_*, IQ2_*) cost
+# ggml's quantizer ~17 s of CPU setting up their grids in every process: only mul_mat has them.
 # Measured in docs/metal.md.
 NO_IMATRIX_TYPES = r"(?!iq1_|iq2_)"
 CI_FILTERS: dict[str, Filter] = {
@@ -177,9 +177,9 @@ def write_ninja(out: Path, runtime: Path, tree: Path, test_cpp: Path, dev: Devic
     n.build(reg_obj, "cxx", src / "ggml-backend-reg.cpp", variables={"flags": ninja.quote(reg_flags)})
     library = runtime / dev.library
     exe = out / dev.name / EXECUTABLE
-    # the device library by its soname, found next to the runtime wherever the cache lies; `$$` is
-    # ninja's `$`, kept from the shell by quote()'s single quotes
-    # (-rpath-link: where a device library's own libraries, as the fake Metal framework, are found)
+    # the device library by its soname, found relative to the executable wherever the cache lies
+    # (`$$` is ninja's `$`, kept from the shell by quote()'s single quotes); -rpath-link: where the
+    # linker finds a device library's own libraries (a fake Metal framework)
     ldflags = ninja.quote([library, f"-Wl,-rpath,$ORIGIN/{os.path.relpath(runtime, exe.parent)}",
                            f"-Wl,-rpath-link,{runtime}", "-pthread", "-lm", "-ldl"]).replace("$", "$$")
     n.build(exe, "link", [test_obj, reg_obj, dl_obj, *objs], implicit=[library], variables={"ldflags": ldflags})
@@ -193,7 +193,7 @@ def build(device_name: str = "metal-emu", jobs: int | None = None) -> Path:
     runtime = dev.build()
     out = build_dir(runtime)
     exe = write_ninja(out, runtime, upstream.ggml_tree(), test_source(), dev)
-    ninja.run(out, jobs)
+    ninja.run(out, jobs or os.cpu_count())
     return exe
 
 
