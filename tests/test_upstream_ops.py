@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tools.build import metal_runtime, upstream_ops
+from tools.build import metal_runtime, sanitize, upstream_ops
 
 GREEN_OK = "\x1b[1;32mOK\x1b[0m"
 RED_FAIL = "\x1b[1;31mFAIL\x1b[0m"
@@ -138,6 +138,15 @@ def test_ninja_file_links_the_device_library_and_no_second_ggml_base(tmp_path):
                 and line.split(": ", 1)[1].split()[0] in ("cc", "cxx")]
     assert sorted(os.path.basename(p) for p in compiled if "ggml-cpu" not in p) == [
         "ggml-backend-dl.cpp", "ggml-backend-reg.cpp", "t.cpp"]  # no ggml.c, ggml-backend.cpp, ...
+
+
+def test_ninja_file_under_the_sanitizers(tmp_path, monkeypatch):
+    monkeypatch.setenv(sanitize.ENV, "1")
+    runtime = tmp_path / "runtime"
+    upstream_ops.write_ninja(upstream_ops.build_dir(runtime), runtime, tmp_path / "ggml", tmp_path / "t.cpp",
+                             upstream_ops.device("metal-emu"))
+    text = (runtime / "upstream-ops" / "build.ninja").read_text()
+    assert all(f in text for f in sanitize.COMPILE_FLAGS + sanitize.LINK_FLAGS)
 
 
 def fake_suite(tmp_path, output: str, returncode: int):

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import ggml_runtime, metal_runtime, upstream
+from . import ggml_runtime, metal_runtime, sanitize, upstream
 from . import ninja_build as ninja
 
 TEST_SOURCE = "tests/test-backend-ops.cpp"  # inside llama.cpp's tree
@@ -149,7 +149,9 @@ def build_dir(runtime: Path | None = None) -> Path:
 def _compile_flags(tree: Path) -> list[str]:
     src = tree / "src"
     defines = [f"-D{d}" for d in ggml_runtime.DEFINES]
-    return ggml_runtime.COMMON_FLAGS + defines + [f"-I{tree / 'include'}", f"-I{src}", f"-I{src / 'ggml-cpu'}"]
+    # under GGML_KERNELS_SANITIZE the runtime (and so this build folder) is the ASan + UBSan one
+    return (ggml_runtime.COMMON_FLAGS + defines + sanitize.compile_flags()
+            + [f"-I{tree / 'include'}", f"-I{src}", f"-I{src / 'ggml-cpu'}"])
 
 
 def write_ninja(out: Path, runtime: Path, tree: Path, test_cpp: Path, dev: Device) -> Path:
@@ -181,7 +183,8 @@ def write_ninja(out: Path, runtime: Path, tree: Path, test_cpp: Path, dev: Devic
     # (`$$` is ninja's `$`, kept from the shell by quote()'s single quotes); -rpath-link: where the
     # linker finds a device library's own libraries (a fake Metal framework)
     ldflags = ninja.quote([library, f"-Wl,-rpath,$ORIGIN/{os.path.relpath(runtime, exe.parent)}",
-                           f"-Wl,-rpath-link,{runtime}", "-pthread", "-lm", "-ldl"]).replace("$", "$$")
+                           f"-Wl,-rpath-link,{runtime}", "-pthread", "-lm", "-ldl", *sanitize.link_flags()]
+                          ).replace("$", "$$")
     n.build(exe, "link", [test_obj, reg_obj, dl_obj, *objs], implicit=[library], variables={"ldflags": ldflags})
     n.write(out / "build.ninja")
     return exe
