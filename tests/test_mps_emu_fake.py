@@ -10,6 +10,8 @@ nothing in them depends on torch's version."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import subprocess
 
 import pytest
@@ -36,12 +38,37 @@ def driver():
 def test_a_dispatch_through_metal_cpp_gives_the_emulators_bytes(driver):
     res = driver("dispatch")
     assert res.returncode == 0 and res.stdout.startswith("OK dispatches=2"), res.stdout + res.stderr
+    records = json.loads(res.stdout.splitlines()[1])  # as gk_fake_metal_dispatches_json gives them
+    assert [(d["kernel"], d["grid"], d["threads"]) for d in records] == [("kernel_mul_mv_f32_f32", [4, 3, 1], [32, 2, 1])] * 2
+    assert records[0]["constants"] == {"600": 2, "601": 0, "602": 1, "603": 1, "604": 1, "605": 0}
+    assert records[0]["bytes"] == {"0": 112} and records[0]["threadgroup_memory"] == {"0": 256}
 
 
 @pytest.mark.slow
 def test_the_trampolines_pass_every_argument_and_result(driver):
     res = driver("trampoline")
     assert res.returncode == 0 and res.stdout.startswith("OK"), res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_the_c_api_gives_calls_dispatches_and_live_objects_as_json(driver):
+    lib = ctypes.CDLL(str(mps_runtime.out_dir() / mps_runtime.LIBRARY))  # registers its classes here
+
+    def text(name: str):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]
+        size = fn(None, 0)
+        out = ctypes.create_string_buffer(size + 1)
+        assert fn(out, size + 1) == size
+        return json.loads(out.value)
+
+    lib.gk_fake_metal_reset()
+    before = text("gk_fake_metal_live_objects_json").get("MTLDevice", 0)
+    lib.MTLCreateSystemDefaultDevice.restype = ctypes.c_void_p
+    assert lib.MTLCreateSystemDefaultDevice()
+    assert text("gk_fake_metal_live_objects_json")["MTLDevice"] == before + 1
+    assert text("gk_fake_metal_calls_json") == ["MTLCreateSystemDefaultDevice"]
+    assert text("gk_fake_metal_dispatches_json") == []
 
 
 REFUSALS = {

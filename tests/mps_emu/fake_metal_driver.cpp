@@ -6,10 +6,11 @@
 // KERNELS_DIR: upstream's ggml-metal/kernels (the library source). SCENARIO "dispatch" encodes
 // upstream's kernel_mul_mv_f32_f32 through metal-cpp (own command buffer, then torch's way on the
 // MPS stream) and compares the bytes with the emulator's direct path and a float64 reference; it
-// prints "OK ..." and exits 0; "trampoline" sends a probe class messages with every kind of
-// argument (xmm and general registers, MTLSize and scalars on the stack) and result (double, a
-// struct in memory, nil receivers). Every other scenario does one thing a real Metal runtime
-// refuses and prints "REFUSED: <message>" (exit 0) when the fake threw, or "NOT REFUSED" (exit 1).
+// prints "OK ...", then the dispatch records as the C API gives them (JSON), and exits 0;
+// "trampoline" sends a probe class messages with every kind of argument (xmm and general registers,
+// MTLSize and scalars on the stack) and result (double, a struct in memory, nil receivers). Every
+// other scenario does one thing a real Metal runtime refuses and prints "REFUSED: <message>" (exit
+// 0) when the fake threw, or "NOT REFUSED" (exit 1).
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 #include <algorithm>
@@ -285,6 +286,9 @@ int scenario_dispatch() {
   std::printf("OK dispatches=%zu max_abs_err_vs_f64=%.3g calls=%zu source_hash=%llx\n",
               records.size(), err, fake_metal::calls().size(),
               static_cast<unsigned long long>(fake_metal::last_library_source_hash()));
+  std::string json(gk_fake_metal_dispatches_json(nullptr, 0), '\0');
+  gk_fake_metal_dispatches_json(json.data(), json.size() + 1);
+  std::printf("%s\n", json.c_str());  // the C API's view of the same records
   return 0;
 }
 

@@ -50,7 +50,7 @@ OBJC_RUNTIME = "libobjc.so.4"  # Debian libobjc4: the GNU Objective-C runtime
 FAKE_DIR = REPO / "common" / "metal" / "mps_emu"
 EMU_DIR = REPO / "common" / "metal" / "emu"
 DRIVER = REPO / "tests" / "mps_emu" / "fake_metal_driver.cpp"
-FAKE_SOURCES = ["fake_metal.cpp", "fake_mps_stream.cpp", "objc_msgsend_x86_64.S"]
+FAKE_SOURCES = ["fake_metal.cpp", "fake_metal_api.cpp", "fake_mps_stream.cpp", "objc_msgsend_x86_64.S"]
 FAKE_HEADERS = ["fake_mps.h", "fake_mps_stream.h"]
 # metal-cpp's one implementation unit, the device layer's (both platforms compile it)
 METAL_CPP_IMPL = REPO / "common" / "metal" / "mps" / "metal_cpp_impl.cpp"

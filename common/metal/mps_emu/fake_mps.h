@@ -79,3 +79,17 @@ uint64_t last_library_source_hash();
 int libraries_made();
 
 }  // namespace fake_metal
+
+// The diagnostics above as JSON, for callers without C++ (Python's ctypes): each writes its text
+// into out (at most capacity bytes, NUL-terminated) and returns the length the whole text needs.
+extern "C" {
+// ["-[MTLBuffer contents]", ...]
+size_t gk_fake_metal_calls_json(char* out, size_t capacity);
+// [{"kernel": ..., "constants": {"600": 2}, "grid": [x, y, z], "threads": [...],
+//   "buffer_offsets": {"1": 0}, "bytes": {"0": 112}, "threadgroup_memory": {"0": 256}}, ...]
+size_t gk_fake_metal_dispatches_json(char* out, size_t capacity);
+// {"MTLBuffer": 2, ...}
+size_t gk_fake_metal_live_objects_json(char* out, size_t capacity);
+// Forgets the calls and dispatches recorded so far.
+void gk_fake_metal_reset(void);
+}
