@@ -186,7 +186,7 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
                 f"-I{COMMON / 'metal'}", f"-I{MPS_DIR}", f"-I{pkg / 'torch-ext'}", *(f"-I{d}" for d in include_dirs),
                 f"-I{tc.metal_cpp}", f"-I{darwin_toolchain.SHIM_INCLUDE}"]
     flags = COMMON_FLAGS + CXXFLAGS + [f"-DTORCH_EXTENSION_NAME={ext_id}", "-DGGML_KERNELS_DISPATCH_KEY=MPS",
-                                       "-DGGML_KERNELS_BACKEND_METAL=1", "-DGGML_KERNELS_BACKEND_MPS=1", *includes]
+                                       f'-DGGML_KERNELS_MPS_RUNTIME="{LIBRARY}"', *includes]
     n = ninja.NinjaFile()
     _rules(n, tc)
     objs = []
