@@ -70,10 +70,16 @@ def test_supports_op_slice_compiles_against_the_layer_header(tmp_path):
     metal_dir = tree / "src" / "ggml-metal"
     text = metal_runtime.slice_supports_op((metal_dir / "ggml-metal-device.m").read_text())
     cpp = tmp_path / "metal_supports_op.cpp"
-    cpp.write_text(text.replace('#include "metal_emu.h"', '#include "mps_device.h"', 1))
-    assert '#include "mps_device.h"' in cpp.read_text()
+    cpp.write_text(mps_slice(text))
     _compile_all([[GXX, "-std=c++17", "-fsyntax-only", f"-I{MPS}", f"-isystem{tree / 'include'}",
                    f"-isystem{tree / 'src'}", f"-isystem{metal_dir}", str(cpp)]])
+
+
+def mps_slice(sliced: str) -> str:
+    """The emulated build's supports_op slice over the MPS layer's header instead of its own."""
+    assert sliced.startswith(metal_runtime.SLICE_PRELUDE)
+    return ('#include "mps_device.h"\n#include "ggml-metal-common.h"\n#include "ggml-metal-impl.h"\n#include "ggml-impl.h"\n'
+            + sliced[len(metal_runtime.SLICE_PRELUDE):])
 
 
 def _method_names(text: str) -> set[str]:

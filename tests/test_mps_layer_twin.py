@@ -43,7 +43,10 @@ def _build(out: Path) -> tuple[Path, Path]:
     gen.mkdir(parents=True, exist_ok=True)
     metal_source.write(metal_dir, gen / "metal_source.cpp")
     sliced = metal_runtime.slice_supports_op((metal_dir / "ggml-metal-device.m").read_text())
-    (gen / "metal_supports_op.cpp").write_text(sliced.replace('#include "metal_emu.h"', '#include "mps_device.h"', 1))
+    assert sliced.startswith(metal_runtime.SLICE_PRELUDE)
+    (gen / "metal_supports_op.cpp").write_text('#include "mps_device.h"\n#include "ggml-metal-common.h"\n'
+                                               '#include "ggml-metal-impl.h"\n#include "ggml-impl.h"\n'
+                                               + sliced[len(metal_runtime.SLICE_PRELUDE):])
 
     metal = REPO / "common" / "metal"
     ggml = [f"-isystem{tree / 'include'}", f"-isystem{tree / 'src'}", f"-isystem{metal_dir}"]
