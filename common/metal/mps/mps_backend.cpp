@@ -86,6 +86,9 @@ struct Wrapped {
     ggml_backend_buffer_t& buffer = buffers[mtl];
     if (buffer == nullptr) {
       const size_t size = t.storage().nbytes();
+      // upstream's mapped buffer takes what it is given: beyond the device's limit is refused here
+      TORCH_CHECK_VALUE(size <= dev.max_size, "ggml-metal: a tensor's storage of ", size,
+                        " bytes is more than the device's buffers hold (", dev.max_size, ")");
       buffer = g_mps_api.buffer_from_host_ptr(dev.dev, mtl, size, size);
       TORCH_CHECK(buffer != nullptr, "ggml-kernels MPS: could not wrap a ", size,
                   "-byte MPS storage as a Metal buffer");
