@@ -126,6 +126,13 @@ def test_the_layer_on_the_twin_gives_the_emulated_devices_bits(drivers, case):
         assert set(twin_d["buffers"]) == set(emu_d["buffers"])
 
 
+def test_an_upload_into_a_private_buffer_is_refused_not_a_crash(drivers):
+    twin, _ = drivers
+    res = subprocess.run([str(twin), "private_upload"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("REFUSED: ") and "private storage" in res.stdout, res.stdout
+
+
 @pytest.fixture(scope="module")
 def glue(drivers):
     """An extension of the packages' glue (Graph, the MPS backend) over the twin's runtime."""

@@ -3,7 +3,7 @@
 // twin's fake Metal framework) with the emulated device (libggml-kernels-metal-emu.so) bit for bit:
 // the same upstream host code and kernels on the same inputs, only the device layer differs.
 //
-//   mps-layer-driver CASE        CASE: rms_norm | rms_norm_mul
+//   mps-layer-driver CASE        CASE: rms_norm | rms_norm_mul | private_upload (twin only)
 //
 // Built twice from this source: against the twin's objects (GK_DRIVER_MPS: the tensors' memory is
 // wrapped as Metal buffers, no copy, as the MPS backend does with MPS tensors) and against the
@@ -97,6 +97,24 @@ void run(ggml_backend_t backend, ggml_cgraph* graph, Case& c) {
   for (ggml_backend_buffer_t b : buffers) ggml_backend_buffer_free(b);
   for (MTL::Buffer* mtl : wrapped) mtl->release();
 }
+
+// A buffer of the layer's own (private storage, as ggml's default buffer type makes on this
+// device) has no host memory: an upload is refused with an exception, not a crash.
+int private_upload(ggml_backend_t backend, ggml_context* ctx) {
+  ggml_backend_buffer_t buffer =
+      ggml_backend_buft_alloc_buffer(ggml_backend_get_default_buffer_type(backend), 4096);
+  ggml_tensor* t = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 16);
+  ggml_backend_tensor_alloc(buffer, t, ggml_backend_buffer_get_base(buffer));
+  const std::vector<float> values(16, 1.0f);
+  try {
+    ggml_backend_tensor_set(t, values.data(), 0, ggml_nbytes(t));
+    std::printf("NOT REFUSED\n");
+  } catch (const std::exception& e) {
+    std::printf("REFUSED: %s\n", e.what());
+  }
+  ggml_backend_buffer_free(buffer);
+  return 0;
+}
 #else
 // One device buffer: leaves uploaded, the result read back.
 void run(ggml_backend_t backend, ggml_cgraph* graph, Case& c) {
@@ -133,6 +151,9 @@ int main(int argc, char** argv) {
     if (backend == nullptr) throw std::runtime_error("ggml_backend_metal_init failed");
     ggml_init_params params{ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, true};
     ggml_context* ctx = ggml_init(params);
+#ifdef GK_DRIVER_MPS
+    if (std::string(argv[1]) == "private_upload") return private_upload(backend, ctx);
+#endif
     Case c = build(ctx, argv[1]);
     ggml_cgraph* graph = ggml_new_graph(ctx);
     ggml_build_forward_expand(graph, c.result);
