@@ -133,30 +133,48 @@ def test_an_upload_into_a_private_buffer_is_refused_not_a_crash(drivers):
     assert res.stdout.startswith("REFUSED: ") and "private storage" in res.stdout, res.stdout
 
 
-@pytest.fixture(scope="module")
-def glue(drivers):
-    """An extension of the packages' glue (Graph, the MPS backend) over the twin's runtime."""
+def _place(src: Path, dest: Path) -> None:
+    """src's bytes at dest, replaced by a rename (never rewritten in place: a process may have it
+    mapped) and only when they differ."""
+    if dest.exists() and dest.read_bytes() == src.read_bytes():
+        return
+    tmp = dest.with_suffix(".tmp")
+    shutil.copy2(src, tmp)
+    tmp.replace(dest)
+
+
+def _extension(name: str, sources: list[Path], *, mps: bool, flags: tuple[str, ...] = ()):
+    """An extension of the packages' glue (Graph, ggml_runtime) with `sources`, over the twin's
+    runtime and the MPS backend (mps) or the emulated runtime and its backend, built in the cache."""
     import torch.utils.cpp_extension as ext
 
     from tools.build import mps_runtime
 
-    build_dir = OUT / "glue"
+    build_dir = OUT / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(OUT / RUNTIME, build_dir / RUNTIME)  # the backend loads it from beside itself
-    fake = mps_runtime.out_dir() / mps_runtime.LIBRARY
-    tree = upstream.ggml_tree()
+    runtime = OUT / RUNTIME if mps else ggml_runtime.runtime_dir() / metal_runtime.LIBRARY
+    _place(runtime, build_dir / runtime.name)  # a backend loads its runtime from beside itself
     common = REPO / "common"
-    return ext.load(
-        name="mps_glue_twin", build_directory=str(build_dir), verbose=False,
-        sources=[str(GLUE_OPS), str(common / "ggml_torch.cpp"), str(common / "ggml_runtime.cpp"), str(MPS / "mps_backend.cpp")],
-        extra_include_paths=[str(common), str(MPS), str(tree / "include")],
-        extra_cflags=["-O1", "-DGGML_KERNELS_BACKEND_METAL=1", "-DGGML_KERNELS_BACKEND_MPS=1",
-                      f"'-DGGML_KERNELS_MPS_RUNTIME=\"{RUNTIME}\"'",  # through ninja's shell
-                      "-DGGML_KERNELS_MPS_DEVICE=CPU",  # the twin's MPS tensors are CPU tensors
-                      "-Wno-deprecated-declarations"],
+    cflags = ["-O1", "-DGGML_KERNELS_BACKEND_METAL=1", "-Wno-deprecated-declarations", *flags]
+    ldflags = []
+    backend = common / "metal" / "metal_backend.cpp"
+    if mps:
+        backend = MPS / "mps_backend.cpp"
+        fake = mps_runtime.out_dir() / mps_runtime.LIBRARY
+        cflags += ["-DGGML_KERNELS_BACKEND_MPS=1", f"'-DGGML_KERNELS_MPS_RUNTIME=\"{RUNTIME}\"'",  # through ninja's shell
+                   "-DGGML_KERNELS_MPS_DEVICE=CPU"]  # the twin's MPS tensors are CPU tensors
         # mps_platform.h on the twin (the backend's tensor_buffer, synchronize): clang-built, over the fake
-        extra_ldflags=[str(OUT / "obj" / "mps_platform_fake.cpp.o"), str(fake), f"-Wl,-rpath,{fake.parent}",
-                       f"-l:{mps_runtime.OBJC_RUNTIME}"])
+        ldflags = [str(OUT / "obj" / "mps_platform_fake.cpp.o"), str(fake), f"-Wl,-rpath,{fake.parent}",
+                   f"-l:{mps_runtime.OBJC_RUNTIME}"]
+    return ext.load(name=name, build_directory=str(build_dir), verbose=False,
+                    sources=[str(p) for p in [*sources, common / "ggml_torch.cpp", common / "ggml_runtime.cpp", backend]],
+                    extra_include_paths=[str(common), str(MPS), str(upstream.ggml_tree() / "include")],
+                    extra_cflags=cflags, extra_ldflags=ldflags)
+
+
+@pytest.fixture(scope="module")
+def glue(drivers):
+    return _extension("mps_glue_twin", [GLUE_OPS], mps=True)
 
 
 def _rms_norm(x, eps):
@@ -196,3 +214,36 @@ def test_the_mps_backend_binds_tensors_in_place_copies_strided_results_and_uses_
     torch.testing.assert_close(out, torch.nn.functional.silu(_rms_norm(x, 1e-6)).float(), rtol=1e-5, atol=1e-5)
     kernels = [d["kernel"] for d in json.loads(glue.dispatches())]
     assert len(kernels) == 2 and kernels[0] == "kernel_rms_norm_f32_4", kernels
+
+
+NORM = REPO / "packages" / "ggml-norm"
+
+
+@pytest.fixture(scope="module")
+def norm_ops(drivers):
+    """ggml-norm's ops built over the MPS backend on the twin, and over the emulated backend."""
+    import torch
+
+    sources = [NORM / "torch-ext" / "torch_binding.cpp", NORM / "ggml_norm_ops" / "norm.cpp"]
+    flags = ("-DGGML_KERNELS_DISPATCH_KEY=CPU", f"-I{NORM / 'torch-ext'}", f"-I{NORM / 'ggml_norm_ops'}")
+    _extension("ggml_norm_mps_twin", sources, mps=True, flags=flags)
+    _extension("ggml_norm_metal_emu", sources, mps=False, flags=flags)
+    return torch.ops.ggml_norm_mps_twin, torch.ops.ggml_norm_metal_emu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ggml_norm_rms_norm_on_the_twin_gives_the_emulated_builds_bits(norm_ops, dtype):
+    """ggml-norm's rms_norm op as the package builds it, over the MPS backend and layer on the twin,
+    and over the emulated backend: the same bits (casts for bfloat16, a strided input). Without a
+    weight: the package converts weights on the host into memory of its own (F32Vector), which an
+    MPS build cannot bind."""
+    import torch
+
+    twin, emu = norm_ops
+    torch.manual_seed(1)
+    dt = getattr(torch, dtype)
+    x = torch.randn(7, 1000).to(dt)
+    for xs in [x, x[:, :512], x[1:4]]:
+        ours, theirs = twin.rms_norm(xs, None, None, 1e-6, False, False), emu.rms_norm(xs, None, None, 1e-6, False, False)
+        assert ours.dtype == theirs.dtype == dt and torch.equal(ours, theirs), xs.shape
+        assert not torch.equal(ours, torch.zeros_like(ours))
