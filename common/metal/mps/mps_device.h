@@ -111,8 +111,8 @@ struct ggml_metal_device {
   struct ggml_metal_fusion_info* fusion = nullptr;
 };
 
-// A device buffer: `size` bytes of `mtl` from byte `offset`, seen by ggml at the virtual address
-// range [base, base + size), which is never host memory.
+// A device buffer: the first `size` bytes of `mtl`, seen by ggml at the virtual address range
+// [base, base + size), which is never host memory (byte i of mtl is address base + i).
 struct ggml_metal_buffer {
   MTL::Buffer* mtl = nullptr;
   bool owned = false;  // allocated here (released by ggml_metal_buffer_free) or an MPS tensor's
