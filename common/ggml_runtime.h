@@ -16,7 +16,6 @@
 #include "ggml-cpu.h"
 #include "ggml-metal.h"
 #include "ggml.h"
-#include "metal/emu/metal_emu_api.h"
 #include "metal/metal_device_api.h"
 
 namespace ggml_kernels {
@@ -61,7 +60,7 @@ namespace ggml_kernels {
 // that layer's dispatch log.
 #define GGML_KERNELS_METAL_FUNCTIONS(X)                                                            \
   X(ggml_backend_metal_init) X(gk_metal_threadgroups_json) X(gk_metal_dispatches_json)             \
-  X(gk_metal_dispatches_reset) X(gk_metal_last_error) X(gk_metal_set_lane_schedule)
+  X(gk_metal_dispatches_reset) X(gk_metal_last_error)
 #define GGML_KERNELS_API_FUNCTIONS(X)                                                              \
   GGML_KERNELS_BASE_FUNCTIONS(X) GGML_KERNELS_CPU_FUNCTIONS(X) GGML_KERNELS_METAL_FUNCTIONS(X)
 // clang-format on

@@ -22,10 +22,11 @@ void check_size(at::IntArrayRef sizes, at::ScalarType dtype, const char* name) {
                     " GiB (2^35 bytes), an expanded (stride-0) dim counted in full");
 }
 
-void check_cpu(const at::Tensor& t, const char* name) {
+void check_device(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " is required, got None");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU for this backend, got ",
-                    t.device());
+  TORCH_CHECK_VALUE(t.device().type() == backend::kDevice, name, " must be a ",
+                    c10::DeviceTypeName(backend::kDevice), " tensor for the ", backend_name(),
+                    " build, got ", t.device());
   check_size(t.sizes(), t.scalar_type(), name);
 }
 
@@ -76,7 +77,7 @@ int64_t packed_row_bytes(ggml_type type, int64_t cols) {
 }
 
 void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name) {
-  check_cpu(blocks, name);
+  check_device(blocks, name);
   check_dtype(blocks, {at::kByte}, name);
   TORCH_CHECK_VALUE(blocks.dim() >= 2, name,
                     " must be (rows, row_bytes) packed GGUF data, got shape ", blocks.sizes());

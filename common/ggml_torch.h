@@ -27,8 +27,9 @@ namespace ggml_kernels {
 inline constexpr int64_t kMaxTensorBytes = int64_t{1} << 35;  // 32 GiB
 // ValueError naming `name` if a tensor of `sizes` and `dtype` would take more than kMaxTensorBytes.
 void check_size(at::IntArrayRef sizes, at::ScalarType dtype, const char* name);
-// t defined and on the CPU, within kMaxTensorBytes (check_size): every op input goes through it.
-void check_cpu(const at::Tensor& t, const char* name);
+// t defined, on the device the build's backend takes (backend::kDevice: the CPU, or MPS in an MPS
+// build), within kMaxTensorBytes (check_size): every op input goes through it.
+void check_device(const at::Tensor& t, const char* name);
 void check_dtype(const at::Tensor& t, std::initializer_list<at::ScalarType> allowed,
                  const char* name);
 void check_dim(const at::Tensor& t, int64_t dim, const char* name);
@@ -37,7 +38,7 @@ void check_contiguous(const at::Tensor& t, const char* name);
 ggml_type check_storage_type(int64_t type_id);
 // Bytes of one packed row of `cols` elements; ValueError if cols is not a multiple of the block.
 int64_t packed_row_bytes(ggml_type type, int64_t cols);
-// blocks: uint8, CPU, contiguous, last dim == packed_row_bytes(type, cols).
+// blocks: uint8, on the backend's device, contiguous, last dim == packed_row_bytes(type, cols).
 void check_packed(const at::Tensor& blocks, ggml_type type, int64_t cols, const char* name);
 // Every value of an integer tensor lies in [0, limit); IndexError naming the first offender if not.
 void check_indices(const at::Tensor& idx, int64_t limit, const char* name);
@@ -84,20 +85,23 @@ struct GraphMemory {
 };
 
 namespace backend {
-// Implemented once per backend (common/cpu/cpu_backend.cpp, common/metal/metal_backend.cpp). Runs
-// `graph`, whose leaves and `results` hold host memory (torch tensors', or the memory a result was
-// bound to), giving the other nodes memory, and leaves every result's values in its host memory.
+// What every backend defines, in its own translation unit (common/cpu/cpu_backend.cpp,
+// common/metal/metal_backend.cpp, common/metal/mps/mps_backend.cpp): tools/build/build.py's
+// BACKENDS compiles one into a build.
+
+// Runs `graph`, whose leaves and `results` lie in torch tensors' memory (or the memory a result was
+// bound to), giving the other nodes memory, and leaves every result's values there.
 void run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t count, int n_threads,
                GraphMemory& memory);
-
+// The device of the tensors the backend's ops take and return (check_device).
+extern const c10::DeviceType kDevice;
 // Whether an op splits its work over torch's threads, one graph per slice (the CPU), or builds one
 // graph for the whole op (Metal: upstream's host code chooses its kernels from the whole shape,
 // and a device runs one command buffer at a time).
-#ifdef GGML_KERNELS_BACKEND_METAL
-inline constexpr bool kSlicesOverThreads = false;
-#else
-inline constexpr bool kSlicesOverThreads = true;
-#endif
+extern const bool kSlicesOverThreads;
+// Whether a Graph records the torch tensor each leaf and result lies in (Graph::note): the MPS
+// backend binds that tensor's own Metal buffer.
+extern const bool kNotesTensors;
 }  // namespace backend
 
 class Graph {
@@ -124,14 +128,10 @@ class Graph {
   ggml_tensor* raw(ggml_type type, const void* data, const int64_t (&ne)[4], const size_t (&nb)[4]);
   // Records that `g` (a leaf, or a result) lies in t's memory: `g->data` is t.data_ptr() plus a
   // byte offset. The views above and bind() note their tensors; a caller of raw() over a torch
-  // tensor's memory notes it. Only MPS builds keep it (an MPS tensor's data pointer is no address:
-  // the backend binds t's own Metal buffer); elsewhere it costs nothing.
+  // tensor's memory notes it. Only the MPS backend keeps it (backend::kNotesTensors: an MPS
+  // tensor's data pointer is no address, the backend binds t's own Metal buffer).
   void note(ggml_tensor* g, const at::Tensor& t) {
-#ifdef GGML_KERNELS_BACKEND_MPS
-    memory_.tensors.emplace_back(g, t);
-#else
-    (void)g, (void)t;
-#endif
+    if (backend::kNotesTensors) memory_.tensors.emplace_back(g, t);
   }
 
   // Computes `result` straight into `dst`, a float32 tensor of the result's shape (dims reversed)
@@ -192,7 +192,7 @@ template <typename F>
 void parallel_chunks(int64_t n, int64_t min_chunk, int64_t align, int64_t chunks_per_thread,
                      const F& fn) {
   if (n <= 0) return;
-  if constexpr (!backend::kSlicesOverThreads) {
+  if (!backend::kSlicesOverThreads) {
     fn(0, n);
     return;
   }

@@ -22,7 +22,10 @@
 // TORCH_LIBRARY with the namespace taken from TORCH_EXTENSION_NAME.
 #define GGML_KERNELS_LIBRARY(m) TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, m)
 #define GGML_KERNELS_LIBRARY_IMPL(key, m) TORCH_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, key, m)
+// More ops of that namespace from a backend's own translation unit (metal/metal_emu_ops.cpp).
+#define GGML_KERNELS_LIBRARY_FRAGMENT(m) TORCH_LIBRARY_FRAGMENT_EXPAND(TORCH_EXTENSION_NAME, m)
 #define TORCH_LIBRARY_EXPAND(ns, m) TORCH_LIBRARY(ns, m)
+#define TORCH_LIBRARY_FRAGMENT_EXPAND(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define TORCH_LIBRARY_IMPL_EXPAND(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
 namespace ggml_kernels::python {
@@ -58,36 +61,6 @@ inline PyObject* py_max_tensor_bytes(PyObject*, PyObject*) {
   return PyLong_FromLongLong(kMaxTensorBytes);
 }
 
-#ifdef GGML_KERNELS_BACKEND_METAL
-// The emulated-Metal build's instrumentation: the dispatch log of our device layer and the
-// emulator's lane schedule (a CPU build's module has none of it).
-inline PyObject* json_result(size_t (*fn)(char*, size_t)) {
-  std::string text(fn(nullptr, 0) + 1, '\0');
-  text.resize(fn(text.data(), text.size()));
-  return str_result(text);
-}
-inline PyObject* py_metal_threadgroups_json(PyObject*, PyObject*) {
-  return guarded([] { return json_result(ggml().gk_metal_threadgroups_json); });
-}
-inline PyObject* py_metal_dispatches_json(PyObject*, PyObject*) {
-  return guarded([] { return json_result(ggml().gk_metal_dispatches_json); });
-}
-inline PyObject* py_metal_reset_dispatches(PyObject*, PyObject*) {
-  return guarded([] {
-    ggml().gk_metal_dispatches_reset();
-    Py_RETURN_NONE;
-  });
-}
-inline PyObject* py_metal_set_lane_schedule(PyObject*, PyObject* flags) {
-  return guarded([flags]() -> PyObject* {
-    const long value = PyLong_AsLong(flags);
-    if (value == -1 && PyErr_Occurred()) return nullptr;
-    ggml().gk_metal_set_lane_schedule(static_cast<int>(value));
-    Py_RETURN_NONE;
-  });
-}
-#endif
-
 inline PyMethodDef kMethods[] = {
     {"cpu_variant", py_cpu_variant, METH_NOARGS, "ggml CPU variant loaded for this CPU"},
     {"runtime_path", py_runtime_path, METH_NOARGS, "path of the loaded ggml runtime library"},
@@ -95,16 +68,6 @@ inline PyMethodDef kMethods[] = {
     {"backend", py_backend, METH_NOARGS, "the backend this build runs ops on"},
     {"max_tensor_bytes", py_max_tensor_bytes, METH_NOARGS,
      "the largest tensor (numel * element size) an op reads or makes"},
-#ifdef GGML_KERNELS_BACKEND_METAL
-    {"metal_threadgroups_json", py_metal_threadgroups_json, METH_NOARGS,
-     "{kernel: threadgroups dispatched} since load or the last reset, as JSON"},
-    {"metal_dispatches_json", py_metal_dispatches_json, METH_NOARGS,
-     "every dispatch record since load or the last reset, as JSON"},
-    {"metal_reset_dispatches", py_metal_reset_dispatches, METH_NOARGS,
-     "forget the dispatches so far"},
-    {"metal_set_lane_schedule", py_metal_set_lane_schedule, METH_O,
-     "lane schedule flags (1: reverse order, 2: no convergence at lane-0 branches)"},
-#endif
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace ggml_kernels::python

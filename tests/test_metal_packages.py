@@ -164,6 +164,10 @@ def test_instrumentation_only_in_emulated_builds(mq, cq):
     assert not hasattr(cq, "_metal_emu")
     extension = getattr(cq._ops, cq._ops.ops.name)
     assert [n for n in dir(extension) if n.startswith("metal_")] == []
+    # the instrumentation's ops (common/metal/metal_emu_ops.cpp, compiled into emulated builds only)
+    emulator_ops = ["metal_threadgroups_json", "metal_dispatches_json", "metal_reset_dispatches", "metal_set_lane_schedule"]
+    assert all(hasattr(mq._ops.ops, n) for n in emulator_ops)
+    assert not any(hasattr(cq._ops.ops, n) for n in emulator_ops)
 
 
 def test_dispatches_count_threadgroups_and_reset(mq, cq):

@@ -46,6 +46,9 @@ constexpr Variant kVariants[] = {
 }  // namespace
 
 const char* backend_name() { return "cpu"; }
+const c10::DeviceType backend::kDevice = c10::DeviceType::CPU;
+const bool backend::kSlicesOverThreads = true;
+const bool backend::kNotesTensors = false;
 
 backend::Loaded backend::load(GgmlApi& api) {
   const std::string dir = this_library_dir();

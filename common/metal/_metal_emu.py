@@ -1,30 +1,31 @@
 """The emulated-Metal build's instrumentation: which kernels upstream's Metal host code dispatched,
 and the emulator's lane schedule. tools/build/build.py copies this file into build-metal-emu/ builds
-only (never into a CPU build, never onto the Hub); a package's __init__ re-exports
-`metal_dispatches` / `reset_metal_dispatches` from it where it is present."""
+only (never into a CPU build, never onto the Hub), beside the ops of common/metal/metal_emu_ops.cpp
+that it wraps; a package's __init__ re-exports `metal_dispatches` / `reset_metal_dispatches` from it
+where it is present."""
 
 from __future__ import annotations
 
 import json
 
-from ._ggml_runtime import _extension
+from ._ops import ops
 
 
 def metal_dispatches() -> dict[str, int]:
     """{kernel name: threadgroups dispatched} since the build was loaded or reset_metal_dispatches()
     last ran, as upstream's host code encoded them (e.g. {"kernel_mul_mv_ext_q4_K_f32_r1_4": 12})."""
-    return json.loads(_extension.metal_threadgroups_json())
+    return json.loads(ops.metal_threadgroups_json())
 
 
 def metal_dispatch_records() -> list[dict]:
     """Every dispatch since the last reset (the first 20000): kernel, pipeline, function constants,
     grid, threads per threadgroup, threadgroup memory, bindings."""
-    return json.loads(_extension.metal_dispatches_json())
+    return json.loads(ops.metal_dispatches_json())
 
 
 def reset_metal_dispatches() -> None:
     """Start metal_dispatches() from zero."""
-    _extension.metal_reset_dispatches()
+    ops.metal_reset_dispatches()
 
 
 def set_lane_schedule(reverse: bool, lane_zero_convergence: bool = True) -> None:
@@ -33,4 +34,4 @@ def set_lane_schedule(reverse: bool, lane_zero_convergence: bool = True) -> None
     op under both. lane_zero_convergence=False drops the rendezvous the emulator puts around
     `if (tiisg == 0)` branches (a GPU's lock-step gives them for free), to show the kernels that
     rely on it."""
-    _extension.metal_set_lane_schedule(int(bool(reverse)) | (0 if lane_zero_convergence else 2))
+    ops.metal_set_lane_schedule(int(bool(reverse)) | (0 if lane_zero_convergence else 2))

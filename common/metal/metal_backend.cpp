@@ -130,6 +130,9 @@ struct ReleaseIfBig {
 }  // namespace
 
 const char* backend_name() { return "metal-emu"; }
+const c10::DeviceType backend::kDevice = c10::DeviceType::CPU;  // uploaded, run, read back
+const bool backend::kSlicesOverThreads = false;
+const bool backend::kNotesTensors = false;
 
 backend::Loaded backend::load(GgmlApi& api) {
   const std::string path = this_library_dir() + "/" + kLibrary;

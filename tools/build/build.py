@@ -49,9 +49,10 @@ class Backend:
 
     folder: str  # packages/<name>/<folder>/<variant>/
     tag: str  # in the extension id: _<py_name>_<tag>_<hash>
-    sources: tuple[str, ...]  # its part of common/
+    # its part of common/: what every backend defines (ggml_torch.h's backend::, ggml_runtime.h's
+    # backend_name / backend::load) and its own ops; no shared header names a backend
+    sources: tuple[str, ...]
     python: tuple[str, ...]  # its Python glue in common/, beside the shared common/python/*.py
-    defines: tuple[str, ...]
     dispatch_key: str  # torch dispatch key of its ops' tensors
     ggml: tuple[str, ...]  # the ggml runtime its loader opens: ggml-build.toml's `ggml` must say so
     libraries: Callable[[Path], list[Path]]  # that runtime's libraries in the runtime folder
@@ -59,11 +60,11 @@ class Backend:
 
 
 BACKENDS = {
-    "cpu": Backend("build", "cpu", ("cpu/cpu_backend.cpp",), (), (), "CPU", ("ggml-base", "ggml-cpu"),
+    "cpu": Backend("build", "cpu", ("cpu/cpu_backend.cpp",), (), "CPU", ("ggml-base", "ggml-cpu"),
                    ggml_runtime.libraries, False),
     # upstream's Metal backend on the emulated device: CPU tensors, and the emulator's instrumentation
-    "metal": Backend("build-metal-emu", "metal_emu", ("metal/metal_backend.cpp",), ("metal/_metal_emu.py",),
-                     ("-DGGML_KERNELS_BACKEND_METAL=1",), "CPU", ("ggml-base", "ggml-metal"),
+    "metal": Backend("build-metal-emu", "metal_emu", ("metal/metal_backend.cpp", "metal/metal_emu_ops.cpp"),
+                     ("metal/_metal_emu.py",), "CPU", ("ggml-base", "ggml-metal"),
                      lambda runtime: [runtime / metal_runtime.LIBRARY], True),
 }
 CXXFLAGS = [
@@ -155,7 +156,7 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = CXXFLAGS + sanitize.compile_flags() + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     flags += [f"-DTORCH_EXTENSION_NAME={ext_id}", f"-DGGML_KERNELS_DISPATCH_KEY={kind.dispatch_key}"]
-    flags += list(kind.defines) + includes
+    flags += includes
     torch_lib = Path(torch.__file__).parent / "lib"
 
     n = ninja.NinjaFile()

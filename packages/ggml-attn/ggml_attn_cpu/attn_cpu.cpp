@@ -180,9 +180,9 @@ class AttentionCall {
 
 }  // namespace
 
-at::Tensor flash_attn_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& mask, bool causal, double scale,
-                          double softcap, const std::optional<at::Tensor>& sinks) {
+at::Tensor flash_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& mask, bool causal, double scale,
+                      double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(q, k, v, scale, softcap);
   at::Tensor sinks32 = float32_sinks(sinks, q.size(1));
   const at::Tensor out =
@@ -232,8 +232,8 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s)
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> rotary_half_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                   const at::Tensor& cos, const at::Tensor& sin) {
+std::tuple<at::Tensor, at::Tensor> rotary_half(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin) {
   attn_ops::check_rotary_inputs(q, k, cos, sin);
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   return {rotate(q, c, s), rotate(k, c, s)};
@@ -270,8 +270,8 @@ void copy_rows(const at::Tensor& dst, int64_t row0, const at::Tensor& src) {
 
 }  // namespace
 
-void kv_write_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
-                  const at::Tensor& v, int64_t position) {
+void kv_write(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
+              const at::Tensor& v, int64_t position) {
   attn_ops::check_kv_write_inputs(keys, values, k, v, position);
   copy_rows(keys, position, k.stride(-1) == 1 ? k : k.contiguous());
   copy_rows(values, position, v.stride(-1) == 1 ? v : v.contiguous());

@@ -111,9 +111,9 @@ at::Tensor rows_source(const at::Tensor& x) {
 
 }  // namespace
 
-at::Tensor flash_attn_metal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask, bool causal, double scale,
-                            double softcap, const std::optional<at::Tensor>& sinks) {
+at::Tensor flash_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& mask, bool causal, double scale,
+                      double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(q, k, v, scale, softcap);
   check_metal_head_dims(q.size(3), v.size(3));
   TORCH_CHECK_VALUE(q.size(2) <= kMaxQueries, "ggml-metal's flash attention takes at most ",
@@ -138,15 +138,15 @@ at::Tensor flash_attn_metal(const at::Tensor& q, const at::Tensor& k, const at::
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary_half_metal(const at::Tensor& q, const at::Tensor& k,
-                                                     const at::Tensor& cos, const at::Tensor& sin) {
+std::tuple<at::Tensor, at::Tensor> rotary_half(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin) {
   check_rotary_inputs(q, k, cos, sin);
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   return {rotate(q, c, s), rotate(k, c, s)};
 }
 
-void kv_write_metal(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
-                    const at::Tensor& v, int64_t position) {
+void kv_write(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& k,
+              const at::Tensor& v, int64_t position) {
   check_kv_write_inputs(keys, values, k, v, position);
   const int64_t n = k.size(-2), nv = v.size(-2);
   if ((n == 0 || k.numel() == 0) && (nv == 0 || v.numel() == 0)) return;

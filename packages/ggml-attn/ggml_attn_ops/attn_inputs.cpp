@@ -16,7 +16,7 @@ namespace attn_ops {
 namespace {
 
 void check_rotary_input(const at::Tensor& x, const char* name, const at::Tensor& table) {
-  check_cpu(x, name);
+  check_device(x, name);
   check_dtype(x, {at::kFloat}, name);
   check_dim(x, 4, name);
   TORCH_CHECK_VALUE(x.size(2) == table.size(1) && x.size(3) == table.size(2) &&
@@ -29,8 +29,8 @@ void check_rotary_input(const at::Tensor& x, const char* name, const at::Tensor&
 
 void check_cache_rows(const at::Tensor& buf, const at::Tensor& x, int64_t position,
                       const char* buf_name, const char* x_name) {
-  check_cpu(buf, buf_name);
-  check_cpu(x, x_name);
+  check_device(buf, buf_name);
+  check_device(x, x_name);
   check_dtype(buf, {at::kFloat, at::kHalf, at::kBFloat16}, buf_name);
   TORCH_CHECK_TYPE(buf.scalar_type() == x.scalar_type(), x_name, " has dtype ", x.scalar_type(),
                    " but ", buf_name, " holds ", buf.scalar_type());
@@ -64,9 +64,9 @@ void check_apart(const at::Tensor& buf, const at::Tensor& x, int64_t position,
 
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale, double softcap) {
-  check_cpu(q, "query");
-  check_cpu(k, "key");
-  check_cpu(v, "value");
+  check_device(q, "query");
+  check_device(k, "key");
+  check_device(v, "value");
   for (auto [t, name] : {std::pair{&q, "query"}, {&k, "key"}, {&v, "value"}}) {
     check_dtype(*t, {at::kFloat, at::kHalf, at::kBFloat16}, name);
     check_dim(*t, 4, name);
@@ -98,7 +98,7 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
   at::Tensor m;
   if (mask.has_value() && mask->defined()) {
     at::Tensor mm = *mask;
-    check_cpu(mm, "mask");
+    check_device(mm, "mask");
     check_dtype(mm, {at::kBool, at::kFloat, at::kHalf, at::kBFloat16}, "mask");
     TORCH_CHECK_VALUE(mm.dim() >= 2 && mm.dim() <= 4, "mask must be (Sq, Skv), (B, Sq, Skv) or ",
                       "(B, 1 or Hq, Sq, Skv), got shape ", mm.sizes());
@@ -133,7 +133,7 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
 // The sinks as float32 (one per query head), undefined when there are none.
 at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
   if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
-  check_cpu(*sinks, "sinks");
+  check_device(*sinks, "sinks");
   check_dtype(*sinks, {at::kFloat, at::kHalf, at::kBFloat16}, "sinks");
   TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq,
                     "sinks must hold one value per query head (", hq, "), got shape ",
@@ -161,7 +161,7 @@ void zero_fully_masked_rows(at::Tensor& out, const at::Tensor& mask, int64_t b, 
 void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                          const at::Tensor& sin) {
   for (auto [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
-    check_cpu(*t, name);
+    check_device(*t, name);
     check_dtype(*t, {at::kFloat}, name);
     check_dim(*t, 3, name);
   }

@@ -20,15 +20,9 @@ GGML_KERNELS_LIBRARY(m) {
 }
 
 GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
-#ifdef GGML_KERNELS_BACKEND_METAL
-  m.impl("flash_attn", &flash_attn_metal);
-  m.impl("rotary_half", &rotary_half_metal);
-  m.impl("kv_write", &kv_write_metal);
-#else
-  m.impl("flash_attn", &flash_attn_cpu);
-  m.impl("rotary_half", &rotary_half_cpu);
-  m.impl("kv_write", &kv_write_cpu);
-#endif
+  m.impl("flash_attn", &flash_attn);
+  m.impl("rotary_half", &rotary_half);
+  m.impl("kv_write", &kv_write);
 }
 
 GGML_KERNELS_PYTHON_MODULE()

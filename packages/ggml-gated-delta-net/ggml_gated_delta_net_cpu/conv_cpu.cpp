@@ -197,15 +197,17 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                                     const std::optional<at::Tensor>& state,
-                                                     const std::optional<at::Tensor>& bias,
-                                                     std::optional<c10::string_view> activation) {
+const bool gdn_ops::kRepeatKeyHeads = false;
+
+std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& state,
+                                                 const std::optional<at::Tensor>& bias,
+                                                 std::optional<c10::string_view> activation) {
   return causal_conv1d_impl(x, weight, state, bias, activation, false);
 }
 
-at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                     at::Tensor& state, const std::optional<at::Tensor>& bias,
-                                     std::optional<c10::string_view> activation) {
+at::Tensor causal_conv1d_inplace(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
+                                 const std::optional<at::Tensor>& bias,
+                                 std::optional<c10::string_view> activation) {
   return std::get<0>(causal_conv1d_impl(x, weight, state, bias, activation, true));
 }

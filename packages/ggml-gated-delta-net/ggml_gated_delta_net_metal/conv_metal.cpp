@@ -52,16 +52,17 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_metal_impl(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_metal(const at::Tensor& x,
-                                                       const at::Tensor& weight,
-                                                       const std::optional<at::Tensor>& state,
-                                                       const std::optional<at::Tensor>& bias,
-                                                       std::optional<c10::string_view> activation) {
+const bool gdn_ops::kRepeatKeyHeads = true;
+
+std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& state,
+                                                 const std::optional<at::Tensor>& bias,
+                                                 std::optional<c10::string_view> activation) {
   return causal_conv1d_metal_impl(x, weight, state, bias, activation, false);
 }
 
-at::Tensor causal_conv1d_inplace_metal(const at::Tensor& x, const at::Tensor& weight,
-                                       at::Tensor& state, const std::optional<at::Tensor>& bias,
-                                       std::optional<c10::string_view> activation) {
+at::Tensor causal_conv1d_inplace(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
+                                 const std::optional<at::Tensor>& bias,
+                                 std::optional<c10::string_view> activation) {
   return std::get<0>(causal_conv1d_metal_impl(x, weight, state, bias, activation, true));
 }

@@ -39,15 +39,6 @@ at::Tensor dense_rows(const at::Tensor& t) {
   return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
-// ggml-cpu's GATED_DELTA_NET broadcasts q / k over sequences (sequence i reads q sequence i / r);
-// ggml-metal's kernel reads q / k at the value sequence's own index (no broadcast: past q's end
-// when q has fewer sequences). On Metal the key heads are therefore repeated first (r becomes 1).
-#ifdef GGML_KERNELS_BACKEND_METAL
-constexpr bool kRepeatKeyHeads = true;
-#else
-constexpr bool kRepeatKeyHeads = false;
-#endif
-
 // q or k (B, T, Hk, D) as the graphs read it: key heads repeated r times on Metal.
 at::Tensor key_heads(const at::Tensor& x, int64_t r) {
   return dense_rows(kRepeatKeyHeads && r > 1 ? x.repeat_interleave(r, 2) : x);
@@ -143,7 +134,7 @@ DeltaNetDims check_delta_net_inputs(const at::Tensor& q, const at::Tensor& k, co
   }
   const bool has_state = state.has_value() && state->defined();
   if (has_state) {
-    check_cpu(*state, "state");
+    check_device(*state, "state");
     check_dtype(*state, {at::kFloat}, "state");
     TORCH_CHECK_VALUE(state->dim() == 4 && state->size(0) == B && state->size(1) == Hv &&
                           state->size(2) == D && state->size(3) == D,

@@ -7,7 +7,7 @@ using namespace ggml_kernels;
 namespace gdn_ops {
 
 void check_float(const at::Tensor& t, const char* name) {
-  check_cpu(t, name);
+  check_device(t, name);
   check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf}, name);
 }
 

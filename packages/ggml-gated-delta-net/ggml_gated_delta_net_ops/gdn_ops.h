@@ -42,4 +42,10 @@ ConvDims check_conv_inputs(const at::Tensor& x, const at::Tensor& weight,
 // state's dtype (x's without a state; `state` undefined then).
 at::Tensor rolling_state(const at::Tensor& x, const at::Tensor& state, const ConvDims& dims);
 
+// Whether the delta rule's graphs repeat the key heads (r times) first; defined per backend
+// (conv_cpu.cpp, conv_metal.cpp). ggml-cpu's GATED_DELTA_NET broadcasts q / k over sequences
+// (sequence i reads q sequence i / r); ggml-metal's kernel reads q / k at the value sequence's own
+// index (no broadcast: past q's end when q has fewer sequences), so Metal repeats them.
+extern const bool kRepeatKeyHeads;
+
 }  // namespace gdn_ops

@@ -36,13 +36,8 @@ GGML_KERNELS_LIBRARY(m) {
 GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
   m.impl("gated_delta_net", &gdn_ops::gated_delta_net);
   m.impl("gated_delta_net_", &gdn_ops::gated_delta_net_inplace);
-#ifdef GGML_KERNELS_BACKEND_METAL
-  m.impl("causal_conv1d", &causal_conv1d_metal);
-  m.impl("causal_conv1d_", &causal_conv1d_inplace_metal);
-#else
-  m.impl("causal_conv1d", &causal_conv1d_cpu);
-  m.impl("causal_conv1d_", &causal_conv1d_inplace_cpu);
-#endif
+  m.impl("causal_conv1d", &causal_conv1d);
+  m.impl("causal_conv1d_", &causal_conv1d_inplace);
   m.impl("l2_norm", &gdn_ops::l2_norm);
   m.impl("gates", &gdn_ops::gates);
   m.impl("gated_rms_norm", &gdn_ops::gated_rms_norm);

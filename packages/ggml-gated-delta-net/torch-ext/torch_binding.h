@@ -25,19 +25,11 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at:
 }  // namespace gdn_ops
 
 // causal_conv1d per backend: ggml_gated_delta_net_cpu/conv_cpu.cpp (SSM_CONV's sums, vectorised),
-// ggml_gated_delta_net_metal/conv_metal.cpp (a SSM_CONV graph).
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                                     const std::optional<at::Tensor>& state,
-                                                     const std::optional<at::Tensor>& bias,
-                                                     std::optional<c10::string_view> activation);
-at::Tensor causal_conv1d_inplace_cpu(const at::Tensor& x, const at::Tensor& weight,
-                                     at::Tensor& state, const std::optional<at::Tensor>& bias,
-                                     std::optional<c10::string_view> activation);
-std::tuple<at::Tensor, at::Tensor> causal_conv1d_metal(const at::Tensor& x,
-                                                       const at::Tensor& weight,
-                                                       const std::optional<at::Tensor>& state,
-                                                       const std::optional<at::Tensor>& bias,
-                                                       std::optional<c10::string_view> activation);
-at::Tensor causal_conv1d_inplace_metal(const at::Tensor& x, const at::Tensor& weight,
-                                       at::Tensor& state, const std::optional<at::Tensor>& bias,
-                                       std::optional<c10::string_view> activation);
+// ggml_gated_delta_net_metal/conv_metal.cpp (a SSM_CONV graph); a build compiles one.
+std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& state,
+                                                 const std::optional<at::Tensor>& bias,
+                                                 std::optional<c10::string_view> activation);
+at::Tensor causal_conv1d_inplace(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
+                                 const std::optional<at::Tensor>& bias,
+                                 std::optional<c10::string_view> activation);

@@ -38,7 +38,7 @@ constexpr int64_t kMaxChunkBytes = int64_t{1} << 18;
 int64_t min_rows_per_task(int64_t n) { return std::max<int64_t>(1, kMinChunkBytes / (4 * n)); }
 
 void check_float(const at::Tensor& t, const char* name) {
-  check_cpu(t, name);
+  check_device(t, name);
   check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf}, name);
 }
 

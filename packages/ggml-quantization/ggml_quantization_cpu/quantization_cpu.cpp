@@ -285,7 +285,7 @@ at::Tensor checked_imatrix(const std::optional<at::Tensor>& imatrix, int64_t col
         "column; torch.ones(cols) weighs all columns equally)");
     return {};
   }
-  check_cpu(*imatrix, "imatrix");
+  check_device(*imatrix, "imatrix");
   check_dtype(*imatrix, {at::kFloat}, "imatrix");
   TORCH_CHECK_VALUE(imatrix->dim() == 1 && imatrix->size(0) == cols, "imatrix must be 1-D with ",
                     cols, " values (one importance per column), got shape ", imatrix->sizes());
@@ -446,8 +446,8 @@ at::Tensor plain_layout(const at::Tensor& blocks, ggml_type type) {
 
 }  // namespace
 
-at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
-                       int64_t out_features) {
+at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
+                   int64_t out_features) {
   const auto [st, k] = check_weight(blocks, type_id, out_features, x, "blocks");
   const ggml_type type = st.type;
   const int64_t m = x.numel() / k;  // x (..., K): m rows, out (..., N)
@@ -470,8 +470,8 @@ at::Tensor mul_mat_cpu(const at::Tensor& blocks, const at::Tensor& x, int64_t ty
   return out;
 }
 
-std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tensor& x,
-                                          at::IntArrayRef type_ids, at::IntArrayRef out_features) {
+std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x,
+                                      at::IntArrayRef type_ids, at::IntArrayRef out_features) {
   const size_t n = blocks.size();
   TORCH_CHECK_VALUE(n > 0, "mul_mat_group needs at least one weight");
   TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n,
@@ -504,7 +504,7 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
   for (size_t i = 0; i < n; ++i) {
     const Storage& st = stored[i];
     if (!is_direct(st) && !is_few_repacked(st)) {
-      outs[i] = mul_mat_cpu(blocks[i], x, type_ids[i], out_features[i]);
+      outs[i] = mul_mat(blocks[i], x, type_ids[i], out_features[i]);
       continue;
     }
     if (!xf.defined()) xf = x.to(at::kFloat).contiguous();
@@ -531,8 +531,8 @@ std::vector<at::Tensor> mul_mat_group_cpu(at::TensorList blocks, const at::Tenso
   return outs;
 }
 
-at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
-                          int64_t type_id, int64_t out_features) {
+at::Tensor mul_mat_id(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
+                      int64_t type_id, int64_t out_features) {
   const Storage st = check_storage(type_id);
   TORCH_CHECK_VALUE(!st.repacked,
                     "mul_mat_id takes expert weights in the plain GGUF layout, not "
@@ -571,8 +571,8 @@ at::Tensor mul_mat_id_cpu(const at::Tensor& blocks, const at::Tensor& x, const a
   return out;
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t rows, int64_t cols,
-                          at::ScalarType dtype) {
+at::Tensor dequantize(const at::Tensor& blocks, int64_t type_id, int64_t rows, int64_t cols,
+                      at::ScalarType dtype) {
   const Storage st = check_storage(type_id);
   const ggml_type type = st.type;
   check_out_dtype(dtype);
@@ -587,8 +587,8 @@ at::Tensor dequantize_cpu(const at::Tensor& blocks, int64_t type_id, int64_t row
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int64_t type_id,
-                        int64_t cols, at::ScalarType dtype) {
+at::Tensor get_rows(const at::Tensor& blocks, const at::Tensor& indices, int64_t type_id,
+                    int64_t cols, at::ScalarType dtype) {
   const Storage st = check_storage(type_id);
   const ggml_type type = st.type;
   check_out_dtype(dtype);
@@ -605,11 +605,11 @@ at::Tensor get_rows_cpu(const at::Tensor& blocks, const at::Tensor& indices, int
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-at::Tensor quantize_cpu(const at::Tensor& x, int64_t type_id,
-                        const std::optional<at::Tensor>& imatrix) {
+at::Tensor quantize(const at::Tensor& x, int64_t type_id,
+                    const std::optional<at::Tensor>& imatrix) {
   const ggml_type type = check_storage_type(type_id);
   const auto& G = ggml();
-  check_cpu(x, "x");
+  check_device(x, "x");
   check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
   check_dim(x, 2, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -638,7 +638,7 @@ namespace {
 // The (rows, row_bytes) weight repack and unrepack take: its plain type and values per row.
 std::pair<ggml_type, int64_t> check_layout_operand(const at::Tensor& blocks, int64_t type_id) {
   const ggml_type type = check_storage_type(type_id);
-  check_cpu(blocks, "blocks");
+  check_device(blocks, "blocks");
   check_dtype(blocks, {at::kByte}, "blocks");
   check_dim(blocks, 2, "blocks");
   const int64_t cols = cols_of(blocks, type, "blocks");
@@ -647,18 +647,18 @@ std::pair<ggml_type, int64_t> check_layout_operand(const at::Tensor& blocks, int
 }
 }  // namespace
 
-at::Tensor repack_cpu(const at::Tensor& blocks, int64_t type_id) {
+at::Tensor repack(const at::Tensor& blocks, int64_t type_id) {
   const auto [type, cols] = check_layout_operand(blocks, type_id);
   return ggml_quantization::repack(blocks, type, cols);
 }
 
-at::Tensor unrepack_cpu(const at::Tensor& blocks, int64_t type_id) {
+at::Tensor unrepack(const at::Tensor& blocks, int64_t type_id) {
   const ggml_type type = check_layout_operand(blocks, type_id).first;
   check_repacked_rows(blocks, check_storage(type_id + ggml_quantization::kRepackedFlag), "blocks");
   return plain_layout(blocks, type);
 }
 
-std::vector<int64_t> repacked_types_cpu() {
+std::vector<int64_t> repacked_types() {
   std::vector<int64_t> out;
   for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
     if (ggml_quantization::has_repacked_layout(static_cast<ggml_type>(t))) out.push_back(t);

@@ -25,7 +25,7 @@ using namespace ggml_quantization::checks;
 
 namespace {
 
-// Type ids at and above this name ggml-cpu's repacked layout (repack_cpu.h's kRepackedFlag).
+// Type ids at and above this name ggml-cpu's repacked layout (repack.h's kRepackedFlag).
 constexpr int64_t kRepackedFlag = 1024;
 
 ggml_type check_plain_type(int64_t type_id) {
@@ -77,8 +77,8 @@ at::Tensor gathered_rows(const at::Tensor& blocks, ggml_type type, int64_t cols,
 
 }  // namespace
 
-at::Tensor mul_mat_metal(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
-                         int64_t out_features) {
+at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_id,
+                   int64_t out_features) {
   const auto [type, k] = check_weight(blocks, type_id, out_features, x, "blocks");
   const int64_t m = x.numel() / k;
   auto out = at::empty(rows_shape(x, out_features), x.options().dtype(at::kFloat));
@@ -90,9 +90,8 @@ at::Tensor mul_mat_metal(const at::Tensor& blocks, const at::Tensor& x, int64_t 
   return out;
 }
 
-std::vector<at::Tensor> mul_mat_group_metal(at::TensorList blocks, const at::Tensor& x,
-                                            at::IntArrayRef type_ids,
-                                            at::IntArrayRef out_features) {
+std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x,
+                                      at::IntArrayRef type_ids, at::IntArrayRef out_features) {
   const size_t n = blocks.size();
   TORCH_CHECK_VALUE(n > 0, "mul_mat_group needs at least one weight");
   TORCH_CHECK_VALUE(type_ids.size() == n && out_features.size() == n, "mul_mat_group got ", n,
@@ -123,8 +122,8 @@ std::vector<at::Tensor> mul_mat_group_metal(at::TensorList blocks, const at::Ten
   return outs;
 }
 
-at::Tensor mul_mat_id_metal(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
-                            int64_t type_id, int64_t out_features) {
+at::Tensor mul_mat_id(const at::Tensor& blocks, const at::Tensor& x, const at::Tensor& ids,
+                      int64_t type_id, int64_t out_features) {
   const ggml_type type = check_plain_type(type_id);
   const int64_t k = check_experts(blocks, type, out_features, x, ids);
   const int64_t t = x.size(0), n_ids = ids.size(1);
@@ -147,8 +146,8 @@ at::Tensor mul_mat_id_metal(const at::Tensor& blocks, const at::Tensor& x, const
   return out;
 }
 
-at::Tensor dequantize_metal(const at::Tensor& blocks, int64_t type_id, int64_t rows, int64_t cols,
-                            at::ScalarType dtype) {
+at::Tensor dequantize(const at::Tensor& blocks, int64_t type_id, int64_t rows, int64_t cols,
+                      at::ScalarType dtype) {
   const ggml_type type = check_plain_type(type_id);
   check_out_dtype(dtype);
   check_rows_operand(blocks, type, cols);
@@ -159,8 +158,8 @@ at::Tensor dequantize_metal(const at::Tensor& blocks, int64_t type_id, int64_t r
                        dtype);
 }
 
-at::Tensor get_rows_metal(const at::Tensor& blocks, const at::Tensor& indices, int64_t type_id,
-                          int64_t cols, at::ScalarType dtype) {
+at::Tensor get_rows(const at::Tensor& blocks, const at::Tensor& indices, int64_t type_id,
+                    int64_t cols, at::ScalarType dtype) {
   const ggml_type type = check_plain_type(type_id);
   check_out_dtype(dtype);
   check_rows_operand(blocks, type, cols);
@@ -169,21 +168,21 @@ at::Tensor get_rows_metal(const at::Tensor& blocks, const at::Tensor& indices, i
   return gathered_rows(blocks, type, cols, indices.to(at::kInt).contiguous(), dtype);
 }
 
-at::Tensor quantize_metal(const at::Tensor&, int64_t, const std::optional<at::Tensor>&) {
+at::Tensor quantize(const at::Tensor&, int64_t, const std::optional<at::Tensor>&) {
   TORCH_CHECK_NOT_IMPLEMENTED(false,
                               "quantize runs on the CPU build only: it is ggml-cpu's row "
                               "quantizers, and ggml-metal has no kernel for them");
 }
 
-at::Tensor repack_metal(const at::Tensor&, int64_t) {
+at::Tensor repack(const at::Tensor&, int64_t) {
   TORCH_CHECK_NOT_IMPLEMENTED(false,
                               "repack makes ggml-cpu's repacked layout, which only the CPU build "
                               "reads; the Metal build takes the plain GGUF layout");
 }
 
-at::Tensor unrepack_metal(const at::Tensor&, int64_t) {
+at::Tensor unrepack(const at::Tensor&, int64_t) {
   TORCH_CHECK_NOT_IMPLEMENTED(false,
                               "unrepack reads ggml-cpu's repacked layout: use the CPU build");
 }
 
-std::vector<int64_t> repacked_types_metal() { return {}; }
+std::vector<int64_t> repacked_types() { return {}; }

@@ -26,7 +26,7 @@ int64_t cols_of(const at::Tensor& blocks, ggml_type type, const char* name) {
 
 void check_activations(const at::Tensor& x, int64_t k, const at::Tensor& blocks, ggml_type type,
                        bool tokens_only) {
-  check_cpu(x, "x");
+  check_device(x, "x");
   check_dtype(x, {at::kFloat, at::kHalf, at::kBFloat16}, "x");
   if (tokens_only) {
     check_dim(x, 2, "x");
@@ -51,7 +51,7 @@ void check_out_dtype(at::ScalarType dtype) {
 
 int64_t check_weight_operand(const at::Tensor& blocks, ggml_type type, int64_t out_features,
                              const at::Tensor& x, const char* name) {
-  check_cpu(blocks, name);
+  check_device(blocks, name);
   check_dtype(blocks, {at::kByte}, name);
   check_dim(blocks, 2, name);
   const int64_t k = cols_of(blocks, type, name);
@@ -64,7 +64,7 @@ int64_t check_weight_operand(const at::Tensor& blocks, ggml_type type, int64_t o
 }
 
 void check_rows_operand(const at::Tensor& blocks, ggml_type type, int64_t cols) {
-  check_cpu(blocks, "blocks");
+  check_device(blocks, "blocks");
   check_dtype(blocks, {at::kByte}, "blocks");
   check_dim(blocks, 2, "blocks");
   check_packed(blocks, type, cols, "blocks");
@@ -78,7 +78,7 @@ void check_dequantized_rows(const at::Tensor& blocks, int64_t rows, int64_t cols
 
 int64_t check_experts(const at::Tensor& blocks, ggml_type type, int64_t out_features,
                       const at::Tensor& x, const at::Tensor& ids) {
-  check_cpu(blocks, "blocks");
+  check_device(blocks, "blocks");
   check_dtype(blocks, {at::kByte}, "blocks");
   check_dim(blocks, 3, "blocks");
   const int64_t k = cols_of(blocks, type, "blocks");
@@ -86,7 +86,7 @@ int64_t check_experts(const at::Tensor& blocks, ggml_type type, int64_t out_feat
   TORCH_CHECK_VALUE(blocks.size(1) == out_features, "out_features=", out_features,
                     " but each expert in blocks has ", blocks.size(1), " rows");
   check_activations(x, k, blocks, type, /*tokens_only=*/true);
-  check_cpu(ids, "ids");
+  check_device(ids, "ids");
   check_dtype(ids, {at::kInt, at::kLong}, "ids");
   check_dim(ids, 2, "ids");
   TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "ids has ", ids.size(0), " rows but x has ",
@@ -97,7 +97,7 @@ int64_t check_experts(const at::Tensor& blocks, ggml_type type, int64_t out_feat
 }
 
 void check_row_indices(const at::Tensor& indices, int64_t rows, int64_t cols) {
-  check_cpu(indices, "indices");
+  check_device(indices, "indices");
   check_dtype(indices, {at::kInt, at::kLong}, "indices");
   check_dim(indices, 1, "indices");
   check_size({indices.size(0), cols}, at::kFloat, "the gathered rows");

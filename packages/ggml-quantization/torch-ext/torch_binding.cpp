@@ -24,37 +24,19 @@ GGML_KERNELS_LIBRARY(m) {
   // plus 1024 names it); repacked_types() lists the GGUF type ids this CPU's ggml repacks.
   m.def("repack(Tensor blocks, int ggml_type) -> Tensor");
   m.def("unrepack(Tensor blocks, int ggml_type) -> Tensor");
-#ifdef GGML_KERNELS_BACKEND_METAL
-  m.def("repacked_types() -> int[]", &repacked_types_metal);
-#else
-  m.def("repacked_types() -> int[]", &repacked_types_cpu);
-#endif
+  m.def("repacked_types() -> int[]", &repacked_types);
 }
 
-#ifdef GGML_KERNELS_BACKEND_METAL
 GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
-  m.impl("mul_mat", &mul_mat_metal);
-  m.impl("mul_mat_vec", &mul_mat_metal);
-  m.impl("mul_mat_group", &mul_mat_group_metal);
-  m.impl("mul_mat_id", &mul_mat_id_metal);
-  m.impl("dequantize", &dequantize_metal);
-  m.impl("get_rows", &get_rows_metal);
-  m.impl("quantize", &quantize_metal);
-  m.impl("repack", &repack_metal);
-  m.impl("unrepack", &unrepack_metal);
+  m.impl("mul_mat", &mul_mat);
+  m.impl("mul_mat_vec", &mul_mat);
+  m.impl("mul_mat_group", &mul_mat_group);
+  m.impl("mul_mat_id", &mul_mat_id);
+  m.impl("dequantize", &dequantize);
+  m.impl("get_rows", &get_rows);
+  m.impl("quantize", &quantize);
+  m.impl("repack", &repack);
+  m.impl("unrepack", &unrepack);
 }
-#else
-GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
-  m.impl("mul_mat", &mul_mat_cpu);
-  m.impl("mul_mat_vec", &mul_mat_cpu);
-  m.impl("mul_mat_group", &mul_mat_group_cpu);
-  m.impl("mul_mat_id", &mul_mat_id_cpu);
-  m.impl("dequantize", &dequantize_cpu);
-  m.impl("get_rows", &get_rows_cpu);
-  m.impl("quantize", &quantize_cpu);
-  m.impl("repack", &repack_cpu);
-  m.impl("unrepack", &unrepack_cpu);
-}
-#endif
 
 GGML_KERNELS_PYTHON_MODULE()

@@ -464,9 +464,9 @@ void sort_chosen(at::Tensor& weights, at::Tensor& idx32, int64_t r0, int64_t r1)
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_t k, bool softmax,
-                                             bool normalize, std::optional<at::ScalarType> dtype,
-                                             std::optional<at::ScalarType> index_dtype) {
+std::tuple<at::Tensor, at::Tensor> top_k(const at::Tensor& logits_in, int64_t k, bool softmax,
+                                         bool normalize, std::optional<at::ScalarType> dtype,
+                                         std::optional<at::ScalarType> index_dtype) {
   check_args(logits_in, k, softmax, normalize);
   const auto [wdt, idt] = output_dtypes(logits_in, dtype, index_dtype);
   const int64_t rows = logits_in.size(0);
@@ -489,8 +489,8 @@ std::tuple<at::Tensor, at::Tensor> top_k_cpu(const at::Tensor& logits_in, int64_
   return {weights, indices};
 }
 
-std::tuple<at::Tensor, at::Tensor> top_k_ggml_cpu(const at::Tensor& logits_in, int64_t k,
-                                                  bool softmax, bool normalize) {
+std::tuple<at::Tensor, at::Tensor> top_k_ggml(const at::Tensor& logits_in, int64_t k, bool softmax,
+                                              bool normalize) {
   check_args(logits_in, k, softmax, normalize);
   const int64_t rows = logits_in.size(0);
   auto weights = at::empty({rows, k}, logits_in.options().dtype(at::kFloat));

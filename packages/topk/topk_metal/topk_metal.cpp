@@ -48,9 +48,9 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& xf, int64_t k, bool s
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> top_k_metal(const at::Tensor& logits, int64_t k, bool softmax,
-                                               bool normalize, std::optional<at::ScalarType> dtype,
-                                               std::optional<at::ScalarType> index_dtype) {
+std::tuple<at::Tensor, at::Tensor> top_k(const at::Tensor& logits, int64_t k, bool softmax,
+                                         bool normalize, std::optional<at::ScalarType> dtype,
+                                         std::optional<at::ScalarType> index_dtype) {
   check_args(logits, k, softmax, normalize);
   const auto [wdt, idt] = output_dtypes(logits, dtype, index_dtype);
   const int64_t rows = logits.size(0);
@@ -63,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> top_k_metal(const at::Tensor& logits, int64_t
   return {weights.to(wdt), idx32.to(idt)};
 }
 
-std::tuple<at::Tensor, at::Tensor> top_k_ggml_metal(const at::Tensor& logits, int64_t k,
-                                                    bool softmax, bool normalize) {
-  return top_k_metal(logits, k, softmax, normalize, std::nullopt, std::nullopt);
+std::tuple<at::Tensor, at::Tensor> top_k_ggml(const at::Tensor& logits, int64_t k, bool softmax,
+                                              bool normalize) {
+  return top_k(logits, k, softmax, normalize, std::nullopt, std::nullopt);
 }

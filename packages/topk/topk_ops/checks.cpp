@@ -15,7 +15,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 }  // namespace
 
 void check_args(const at::Tensor& logits, int64_t k, bool softmax, bool normalize) {
-  check_cpu(logits, "logits");
+  check_device(logits, "logits");
   check_dtype(logits, {at::kFloat, at::kBFloat16, at::kHalf}, "logits");
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be 2-D (tokens, experts), got shape ",
                     logits.sizes());

@@ -23,13 +23,8 @@ GGML_KERNELS_LIBRARY(m) {
 }
 
 GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {
-#ifdef GGML_KERNELS_BACKEND_METAL
-  m.impl("top_k", &top_k_metal);
-  m.impl("top_k_ggml", &top_k_ggml_metal);
-#else
-  m.impl("top_k", &top_k_cpu);
-  m.impl("top_k_ggml", &top_k_ggml_cpu);
-#endif
+  m.impl("top_k", &top_k);
+  m.impl("top_k_ggml", &top_k_ggml);
 }
 
 GGML_KERNELS_PYTHON_MODULE()
