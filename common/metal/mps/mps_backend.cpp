@@ -31,6 +31,9 @@
 #ifndef GGML_KERNELS_MPS_RUNTIME  // the build names the runtime library of its platform
 #define GGML_KERNELS_MPS_RUNTIME "libggml-kernels-metal.dylib"
 #endif
+#ifndef GGML_KERNELS_MPS_DEVICE  // the Linux twin's stand-ins for MPS tensors are CPU tensors
+#define GGML_KERNELS_MPS_DEVICE MPS
+#endif
 
 namespace ggml_kernels {
 
@@ -214,6 +217,9 @@ at::Tensor scratch_view(const at::Tensor& scratch, size_t offset, const ggml_ten
 }  // namespace
 
 const char* backend_name() { return "metal"; }
+const c10::DeviceType backend::kDevice = c10::DeviceType::GGML_KERNELS_MPS_DEVICE;
+const bool backend::kSlicesOverThreads = false;
+const bool backend::kNotesTensors = true;
 
 backend::Loaded backend::load(GgmlApi& api) {
   const std::string path = this_library_dir() + "/" + GGML_KERNELS_MPS_RUNTIME;
