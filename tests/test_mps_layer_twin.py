@@ -81,12 +81,7 @@ def _build(out: Path) -> tuple[Path, Path]:
     n.build(emu, "link", [out / "obj" / "driver-emu.o"],
             variables={"ldflags": ninja.quote([f"-L{runtime}", f"-l:{metal_runtime.LIBRARY}", f"-Wl,-rpath,{runtime}"])})
     # the twin's Metal runtime for the MPS backend's glue: what the driver links, as a library
-    # (the emulated device's lane-schedule call, which the packages' loader still asks every Metal
-    # runtime for, stubbed)
-    stub = gen / "lane_schedule_stub.cpp"
-    stub.write_text('extern "C" void gk_metal_set_lane_schedule(int) {}\n')
-    n.build(out / "obj" / "lane_schedule_stub.o", "gxx", stub, variables={"flags": ""})
-    n.build(out / RUNTIME, "link", [*objs, out / "obj" / "lane_schedule_stub.o", *base, *host], implicit=[fake],
+    n.build(out / RUNTIME, "link", [*objs, *base, *host], implicit=[fake],
             variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{RUNTIME}", "-Wl,--no-undefined", str(fake),
                                                f"-Wl,-rpath,{fake.parent}", *mps_runtime.LINK_LIBS, f"-L{torch_lib}",
                                                "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"])})
