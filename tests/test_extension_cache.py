@@ -41,17 +41,17 @@ def recipe(repo, flags="-O2"):
 
 
 def test_the_key_names_no_path_of_the_checkout(checkout, tmp_path, monkeypatch):
-    key = extension_cache.recipe_key(recipe(checkout)[0], [source(checkout)])
+    key = extension_cache.recipe_key(recipe(checkout)[0], [source(checkout)], extension_cache.running_torch())
     clone = tmp_path / "clone"
     checkout.rename(clone)
     monkeypatch.setattr(extension_cache, "REPO", clone)
-    assert extension_cache.recipe_key(recipe(clone)[0], [source(clone)]) == key
+    assert extension_cache.recipe_key(recipe(clone)[0], [source(clone)], extension_cache.running_torch()) == key
 
 
 def test_the_headers_read_are_those_of_the_checkout(checkout):
     n, work, so = recipe(checkout)
     ninja_build.run(work)
-    assert extension_cache.checkout_headers(work, [source(checkout)]) == ["common/glue.h"]
+    assert extension_cache.checkout_headers(work, [source(checkout)], extension_cache.running_torch()) == ["common/glue.h"]
 
 
 def build_counting(checkout, monkeypatch, flags="-O2"):

@@ -32,6 +32,7 @@ from tools import REPO
 from . import (
     build,
     darwin_toolchain,
+    extension_cache,
     files,
     ggml_runtime,
     macho,
@@ -43,6 +44,9 @@ from . import (
 )
 from . import ninja_build as ninja
 from .darwin_toolchain import Toolchain, TorchMac
+
+# zig's and the macOS torch's versions are in their cache paths, which the recipes name
+MAC_TOOLCHAIN = extension_cache.Toolchain("zig c++ for aarch64-macos")
 
 COMMON = REPO / "common"
 MPS_DIR = COMMON / "metal" / "mps"
@@ -199,7 +203,9 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
     ldflags = [*_stub_inputs(tc, torch), *_ldflags(so.name), "-Wl,-undefined,dynamic_lookup"]
     n.build(so, "link", objs, implicit=_stub_inputs(tc, torch), variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
-    ninja.run(work, jobs)
+    # the zig and macOS torch versions are in the recipe's paths; the stubs' symbols in stubs.toml
+    compiled = [p for p in sources if p.suffix in (".cpp", ".cc")]
+    extension_cache.build(so, work, n, [*compiled, darwin_toolchain.STUBS_TOML], jobs, MAC_TOOLCHAIN)
     allowed = macho_check.libraries(tc, torch.version)
     macho_check.check_file(so, allowed)  # before it lands in build/
 

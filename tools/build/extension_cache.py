@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from tools import REPO
@@ -37,11 +38,31 @@ from . import ninja_build as ninja
 KEEP = 6
 
 
-def build(so: Path, work: Path, recipe: ninja.NinjaFile, sources: list[Path], jobs: int | None) -> None:
-    """Makes `so` (the output of `recipe`, written to work/build.ninja, compiling `sources`): from the
-    cache when it holds this recipe's library, else with ninja, storing the result."""
+@dataclass(frozen=True)
+class Toolchain:
+    """What a recipe's text does not say about the tools that build it (versions), and the machine
+    paths in it that name them (a virtualenv's torch), which become a placeholder."""
+
+    identity: str
+    machine_paths: tuple[Path, ...] = ()
+
+
+def running_torch() -> Toolchain:
+    """g++ against the torch of the running interpreter (the Linux builds)."""
+    import torch
+
+    folder = Path(torch.__file__).parent
+    return Toolchain(f"torch {torch.__version__} {torch.version.git_version}; {_compiler()}", (folder, folder.resolve()))
+
+
+def build(so: Path, work: Path, recipe: ninja.NinjaFile, sources: list[Path], jobs: int | None,
+          toolchain: Toolchain | None = None) -> None:
+    """Makes `so` (the output of `recipe`, written to work/build.ninja, from `sources`: those it
+    compiles and any other file of the checkout it reads, such as a linker's stub list): from the cache
+    when it holds this recipe's library, else with ninja, storing the result."""
+    toolchain = toolchain or running_torch()
     kind = so.name.split(".")[0].rsplit("_", 1)[0]  # _<py_name>_<tag>; the id's hash varies
-    key = recipe_key(recipe, sources)
+    key = recipe_key(recipe, sources, toolchain)
     folder = cache_dir(work.name)
     manifest = folder / f"{kind}-{key}.json"
     cached = _entry(folder, kind, key, _read_headers(manifest))
@@ -50,7 +71,7 @@ def build(so: Path, work: Path, recipe: ninja.NinjaFile, sources: list[Path], jo
         os.utime(cached)  # the newest entries are the ones kept
         return
     ninja.run(work, jobs)
-    headers = checkout_headers(work, sources)
+    headers = checkout_headers(work, sources, toolchain)
     folder.mkdir(parents=True, exist_ok=True)
     files.write_if_changed(manifest, json.dumps(headers, indent=1) + "\n")
     _store(so, _entry(folder, kind, key, headers), kind)
@@ -60,30 +81,28 @@ def cache_dir(variant: str) -> Path:
     return upstream.cache_dir() / "extensions" / variant
 
 
-def recipe_key(recipe: ninja.NinjaFile, sources: list[Path]) -> str:
+def recipe_key(recipe: ninja.NinjaFile, sources: list[Path], toolchain: Toolchain) -> str:
     """Independent of where the checkout and the virtualenv are: their paths become placeholders."""
-    import torch
-
     text = "\n".join(recipe.lines)
-    for path, placeholder in _placeholders():
-        text = text.replace(str(path), placeholder)
-    h = hashlib.sha256(text.encode())
-    h.update(f"torch {torch.__version__} {torch.version.git_version}; {_compiler()}".encode())
+    for path in toolchain.machine_paths:
+        text = text.replace(str(path), "@TOOLCHAIN")
+    h = hashlib.sha256(text.replace(str(REPO), "@REPO").encode())
+    h.update(toolchain.identity.encode())
     for f in sources:
         h.update(_relative(f).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:24]
 
 
-def checkout_headers(work: Path, sources: list[Path]) -> list[str]:
-    """The files of the checkout (torch's virtualenv aside) that the last build in `work` read,
-    besides the sources themselves, from ninja's dependency log."""
+def checkout_headers(work: Path, sources: list[Path], toolchain: Toolchain) -> list[str]:
+    """The files of the checkout (the toolchain's aside: a virtualenv's torch) that the last build in
+    `work` read, besides the sources themselves, from ninja's dependency log."""
     out = subprocess.run([ninja.ninja_exe(), "-C", str(work), "-t", "deps"], check=True, capture_output=True,
                          text=True).stdout
-    torch_dir = str(_torch_dir())
+    outside = tuple(str(p) + os.sep for p in toolchain.machine_paths)
     compiled = {str(f) for f in sources}
     found = {line.strip() for line in out.splitlines() if line.startswith("    ")}
     return sorted(_relative(Path(f)) for f in found
-                  if f.startswith(str(REPO) + os.sep) and not f.startswith(torch_dir) and f not in compiled)
+                  if f.startswith(str(REPO) + os.sep) and not f.startswith(outside) and f not in compiled)
 
 
 def _entry(folder: Path, kind: str, key: str, headers: list[str] | None) -> Path | None:
@@ -116,16 +135,6 @@ def _store(so: Path, cached: Path, kind: str) -> None:
 
 def _relative(path: Path) -> str:
     return path.resolve().relative_to(REPO).as_posix()
-
-
-def _torch_dir() -> Path:
-    import torch
-
-    return Path(torch.__file__).parent
-
-
-def _placeholders() -> list[tuple[Path, str]]:
-    return [(_torch_dir(), "@TORCH"), (_torch_dir().resolve(), "@TORCH"), (REPO, "@REPO")]
 
 
 @functools.cache
