@@ -115,5 +115,8 @@ def test_built_darwin_variants(toolchain, variant):
     assert meta["id"].startswith(f"_{variant.parent.parent.name.replace('-', '_')}_metal_")
     assert (variant / f"{meta['id']}.abi3.so").is_file() and (variant / darwin.LIBRARY).is_file()
     assert not [f.name for f in variant.iterdir() if "emu" in f.name]  # the emulator never goes in
+    # the licences of what the binaries contain: ours, ggml's, metal-cpp's (Apache-2.0)
+    assert {"LICENSE", "LICENSE.ggml", darwin.METAL_CPP_LICENSE} <= {f.name for f in variant.iterdir()}
+    assert "Apache License" in (variant / darwin.METAL_CPP_LICENSE).read_text()
     assert f"from . import {meta['id']}" in (variant / "_ops.py").read_text()
     macho_check.check_variant(variant, macho_check.libraries(toolchain, macho_check.torch_version_of(variant)))

@@ -47,6 +47,7 @@ from .darwin_toolchain import Toolchain, TorchMac
 
 # zig's and the macOS torch's versions are in their cache paths, which the recipes name
 MAC_TOOLCHAIN = extension_cache.Toolchain("zig c++ for aarch64-macos")
+METAL_CPP_LICENSE = "LICENSE.metal-cpp"
 
 COMMON = REPO / "common"
 MPS_DIR = COMMON / "metal" / "mps"
@@ -211,7 +212,10 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
 
     out = pkg / "build" / variant
     glue = build.python_glue(build.BACKENDS["cpu"])  # common/python only: no emulator module
-    build.assemble(out, pkg / "torch-ext" / py_name, so, [runtime], glue, ext_id, spec.general, backend="metal")
+    # the runtime holds metal-cpp's compiled code (Apache-2.0): its licence travels with it
+    notice = runtime.parent / METAL_CPP_LICENSE
+    files.copy_if_changed(tc.metal_cpp / "LICENSE.txt", notice)
+    build.assemble(out, pkg / "torch-ext" / py_name, so, [runtime, notice], glue, ext_id, spec.general, backend="metal")
     for module in glue:
         files.copy_if_changed(module, out / module.name)
     macho_check.check_variant(out, allowed)
