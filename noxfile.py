@@ -89,12 +89,7 @@ TIERS = {
     "fast": ["-m", "not slow"],
     # the integration (enable(), the GGUF loader, the CLI) without the emulated-Metal whole models,
     # which add minutes and no transformers code that the CPU runs do not reach
-    "transformers": ["tests/test_integration.py", "tests/test_integration_enable.py",
-                     "tests/test_integration_bad_input.py", "tests/test_integration_kv_cache.py",
-                     "tests/test_integration_projection_groups.py", "tests/test_integration_dense_prefill.py",
-                     "tests/test_integration_repacking.py", "tests/test_integration_lean_metadata.py",
-                     "tests/test_integration_memory.py", "tests/test_gguf_models.py", "tests/test_gguf_validation.py",
-                     "tests/test_cli.py"],
+    "transformers": ["integration/tests", "--ignore=integration/tests/test_integration_metal.py", "tests/test_gguf_models.py"],
 }
 SLOW_TIER_TORCH = MATRIX[0][0]
 

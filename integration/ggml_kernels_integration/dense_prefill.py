@@ -11,8 +11,8 @@ whose dot products for them are as fast as this path.
 
 It is also closer to the model: ggml rounds the activations to 8 bits per block of 32 (Q8_0 / Q8_1)
 before its dot products; bfloat16 keeps 8 significant bits per value and accumulates in float32.
-`tests/test_integration_dense_prefill.py` checks both products against the float32 product of the
-dequantized weight (this one closer), and `tests/test_integration.py` a whole model's logits against
+`integration/tests/test_integration_dense_prefill.py` checks both products against the float32 product of the
+dequantized weight (this one closer), and `integration/tests/test_integration.py` a whole model's logits against
 float32 transformers. Decode steps (at most 8 rows) keep ggml's mat-vec, which is faster there.
 
 What it guarantees: each entry within bfloat16 rounding of the float32 product of the dequantized

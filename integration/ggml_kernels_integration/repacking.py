@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-REPACKED = 1024  # ggml-quantization's REPACKED (tests/test_integration_repacking.py checks)
+REPACKED = 1024  # ggml-quantization's REPACKED (integration/tests/test_integration_repacking.py checks)
 REPACK_ROWS = 8
 # Weights smaller than this stay in the GGUF layout: their products are too short for the gemm to
 # win anything, and a repacked product costs a few microseconds more to set up (a Qwen3.5 decode

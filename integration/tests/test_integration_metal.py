@@ -9,7 +9,7 @@ What is expected, and why the bounds are what they are:
   (no 8-bit rounding, unlike ggml-cpu) and its mat-mat kernels round both tiles to half
   (2^-11 relative per product), flash attention holds Q in half: all much finer than the CPU
   backend's 8-bit activations, so Metal must be at least as close to float32 as the CPU backend's
-  bound (tests/test_integration.py: mean KL 0.012 / 0.03 / 0.02 for dense / MoE / SmolLM2), and
+  bound (integration/tests/test_integration.py: mean KL 0.012 / 0.03 / 0.02 for dense / MoE / SmolLM2), and
   take the same top-1 at >= 90 % of positions.
 - Metal vs the CPU backend: their gap is the CPU's 8-bit activation rounding, so the same bounds.
 - 16 greedy tokens are generated on the Metal path (a cached decode: the vec flash-attention and

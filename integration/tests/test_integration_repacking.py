@@ -7,7 +7,7 @@ per-block sums (ggml-quantization's tests/test_repack.py): 1e-5 of the output sc
 whole model such a difference can flip the rounding of an 8-bit activation in the next layer (as
 any change of summation order does, see packages/ggml-quantization/tests/test_ops.py), which moves
 outputs by ~1/127 of an activation: logits are compared as distributions (mean KL < 1e-4, the same
-top-1 at every position, the same greedy tokens), as tests/test_integration.py compares backends."""
+top-1 at every position, the same greedy tokens), as integration/tests/test_integration.py compares backends."""
 
 from __future__ import annotations
 

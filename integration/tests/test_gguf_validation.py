@@ -3,7 +3,7 @@ sentence that names the key or tensor, before anything is built.
 
 Each file is a small qwen35, qwen35moe or llama model written by gguf-py's `GGUFWriter` from a spec
 (metadata and tensor shapes, all weights zero), with one thing changed. Damage below the metadata
-(bytes cut, offsets, nesting) is in tests/test_integration_bad_input.py, on a real generated file.
+(bytes cut, offsets, nesting) is in integration/tests/test_integration_bad_input.py, on a real generated file.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def test_left_padded_batch_equals_prompts_alone(run):
     """On ggml's mul_mat every row is computed alone: the batch equals its prompts (1e-4: float32
     summation order in attention). dense_prefill's bfloat16 GEMM may pick another kernel for another
     row count (oneDNN on AMX CPUs; measured pad_rel 1.2e-2 on SmolLM2 there, 0 on AVX512-BF16 without
-    AMX), moving an output entry by one bfloat16 step (tests/test_integration_dense_prefill.py); that
+    AMX), moving an output entry by one bfloat16 step (integration/tests/test_integration_dense_prefill.py); that
     is held to stay below the path's own distance from ggml's for the same prompt, and the greedy
     tokens to be the same."""
     _, res = run

@@ -1,7 +1,7 @@
 """Bad GGUF files get one clear error naming the problem, before anything is built or loaded.
 
 Each bad file is the tiny Qwen3.5 file with a few bytes changed, inserted or cut, so everything
-else about it is valid (tests/test_gguf_validation.py covers the metadata and tensor rules on files
+else about it is valid (integration/tests/test_gguf_validation.py covers the metadata and tensor rules on files
 written from a spec). `check_gguf` is tested directly; then, in a fresh process with `enable()`,
 transformers' own `from_pretrained` / `AutoTokenizer` on the same files must raise the same
 `GgufFileError` without having built a model, and leave no file descriptor open on the file.

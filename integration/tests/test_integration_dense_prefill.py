@@ -2,7 +2,7 @@
 (`ggml_kernels_integration.dense_prefill`): the product is x @ W.T of the dequantized weight within
 bfloat16's rounding, chunking does not change it, and the path is taken exactly where it is meant to
 be (block-32 types, enough rows, a CPU with bfloat16 dot products, not switched off). Whole-model
-agreement with float32 transformers and llama.cpp: tests/test_integration.py."""
+agreement with float32 transformers and llama.cpp: integration/tests/test_integration.py."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_a_row_s_product_barely_depends_on_the_rows_beside_it(quant):
     """What the path guarantees a left-padded batch: torch's bfloat16 GEMM may pick another kernel for
     another row count (oneDNN on AMX CPUs does), whose float32 accumulation order differs; the output,
     rounded to bfloat16, then moves by at most one bfloat16 step (2^-7 of the value) per entry. ggml's
-    own path computes every row alone and is exact here (tests/test_integration.py holds both)."""
+    own path computes every row alone and is exact here (integration/tests/test_integration.py holds both)."""
     n, k = 256, 512
     blocks, w = packed(quant, "Q4_0", n, k, seed=6)
     x = torch.randn(48, k, generator=torch.Generator().manual_seed(7))
