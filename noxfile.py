@@ -12,6 +12,7 @@
     nox -s demo                       # the main job (README)
     nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
     nox -s upstream-ops               # llama.cpp's test-backend-ops on the emulated Metal device (-- --full)
+    nox -s mac                        # on an Apple-silicon Mac (macOS 26): what only a Mac can check (tools/mac.py)
 
 Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle wheel are cached in
 ~/.cache/ggml-kernels (GGML_KERNELS_CACHE), so nothing already built is built again.
@@ -20,6 +21,7 @@ Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle w
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import nox
@@ -253,3 +255,37 @@ def upstream_ops(session: nox.Session) -> None:
     failure. -- --full: every case (hours); -- -o OPS -p REGEX: a selection; --device: the device library."""
     _install(session, TORCH[0])
     session.run("python", "-m", "tools.build.upstream_ops", *session.posargs, env=_env(session))
+
+
+def _take_option(args: list[str], option: str, default: str) -> tuple[str, list[str]]:
+    """(the value of `option VALUE` in args or default, the other args)."""
+    if option not in args:
+        return default, args
+    at = args.index(option)
+    if at + 1 == len(args):
+        raise ValueError(f"{option} needs a value")
+    return args[at + 1], args[:at] + args[at + 2:]
+
+
+ON_A_MAC = sys.platform == "darwin"
+
+
+@nox.session(venv_backend="venv" if ON_A_MAC else "none")
+def mac(session: nox.Session) -> None:
+    """On an Apple-silicon Mac with macOS 26: builds every package's darwin variant natively, runs
+    the package tests on MPS tensors, enable() on "mps" with the tiny Qwen3.5 GGUF and a per-kernel
+    timing table, and on success writes each variant's mac-checked.json (tools/mac.py; not run on a
+    Mac yet). Elsewhere it refuses at once, with no virtualenv made.
+    -- [PACKAGE ...] [--torch X.Y.Z] [--prebuilt] [--skip-tests] [--skip-model] [--model GGUF] [--calls N]"""
+    if not ON_A_MAC:  # tools.mac says why, in one line, and exits non-zero
+        session.run(sys.executable, "-m", "tools.mac", external=True)
+        return
+    try:
+        torch, args = _take_option(session.posargs, "--torch", TORCH[0])
+    except ValueError as e:
+        session.error(str(e))
+    if torch not in TORCH:
+        session.error(f"--torch {torch}: one of {', '.join(TORCH)}")
+    _install(session, torch, *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
+    _install_integration(session)
+    session.run("python", "-m", "tools.mac", *args, env=_env(session))

@@ -29,14 +29,15 @@ def _load(package: str):
     return kernels.get_local_kernel(Path(REPO / "packages" / package / "build-metal-emu"), backend="cpu")
 
 
-def workloads(quant, norm, topk, gdn, attn) -> dict:
-    """name -> (module, call), on random data quantized by ggml's reference quantizer."""
+def workloads(quant, norm, topk, gdn, attn, device: str = "cpu", quantize=None) -> dict:
+    """name -> (module, call), on random data quantized by ggml's reference quantizer (the CPU build's;
+    `quantize(x, ggml_type)` instead where there is none), every tensor on `device`."""
     g = torch.Generator().manual_seed(0)
     k, n = 1024, 256
-    cpu = _cpu_quantization()
+    quantize = quantize or _cpu_quantization().quantize
 
     def weight(t, rows=n):
-        return cpu.quantize(torch.randn(rows, k, generator=g), t)
+        return quantize(torch.randn(rows, k, generator=g), t).to(device)
 
     w, w6, w8 = weight(Q4_K), weight(Q6_K, 128), weight(Q8_0, 64)
     experts = torch.stack([weight(Q4_K) for _ in range(4)])
@@ -50,6 +51,12 @@ def workloads(quant, norm, topk, gdn, attn) -> dict:
     aq1, aq32 = torch.randn(1, 8, 1, 256, generator=g), torch.randn(1, 8, 32, 256, generator=g)
     ak, av = torch.randn(1, 2, 512, 256, generator=g), torch.randn(1, 2, 512, 256, generator=g)
     keys, values, rows = torch.zeros(1, 2, 512, 256), torch.zeros(1, 2, 512, 256), torch.randn(1, 2, 1, 256, generator=g)
+    row_ids = torch.tensor([0, 5, 9, 255])
+    if device != "cpu":  # every input on the device (the weights are there already)
+        x = {r: t.to(device) for r, t in x.items()}
+        ids, nw, logits, q, v, gate, beta, state, cx, cw, cs, aq1, aq32, ak, av, keys, values, rows, row_ids = (
+            t.to(device) for t in (ids, nw, logits, q, v, gate, beta, state, cx, cw, cs, aq1, aq32, ak, av, keys,
+                                   values, rows, row_ids))
     return {
         f"rms_norm {k} x 32, weight": (norm, lambda: norm.rms_norm(x[32], nw)),
         f"rms_norm_gated {k} x 32": (norm, lambda: norm.rms_norm_gated(x[32], x[32], nw)),
@@ -61,7 +68,7 @@ def workloads(quant, norm, topk, gdn, attn) -> dict:
             quant, lambda: quant.mul_mat_group([w, w6, w8], x[1], [Q4_K, Q6_K, Q8_0], [n, 128, 64])),
         f"Q4_K MoE 4 experts {n}x{k}, 32 tokens x 2": (quant, lambda: quant.mul_mat_id(experts, x[32], ids, Q4_K, n)),
         f"get_rows Q4_K {n}x{k}, 4 rows": (
-            quant, lambda: quant.get_rows(w, torch.tensor([0, 5, 9, 255]), Q4_K, k, torch.float32)),
+            quant, lambda: quant.get_rows(w, row_ids, Q4_K, k, torch.float32)),
         f"dequantize Q4_K {n}x{k}": (quant, lambda: quant.dequantize(w, Q4_K, n, k, torch.float32)),
         "MoE routing, 64 experts, top-8 of 32 tokens": (topk, lambda: topk.softmax_top_k(logits, 8)),
         "gated delta net decode, 16 heads of 128": (gdn, lambda: gdn.gated_delta_net(q, q, v, gate, beta, state)),

@@ -16,7 +16,8 @@ each torch version:
   libraries, every import exported by them, ad-hoc signed).
 
 Nothing of this runs here: `nox -s publish` uploads a darwin variant only once a Mac has checked it
-(mac-checked.json beside it; tools/publish.py).
+(mac-checked.json beside it; tools/publish.py). On a Mac, `nox -s mac` builds the same variants with the
+Mac's own compiler, SDK and torch instead (tools/build/darwin_native.py, the `Compilers` it passes here).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tools import REPO
@@ -80,13 +83,41 @@ def missing_sources() -> list[Path]:
     return [p for p in dict.fromkeys((*(MPS_DIR / f for f in DEVICE_LAYER), DEVICE_API, *EXTENSION_BACKEND)) if not p.is_file()]
 
 
-def _rules(n: ninja.NinjaFile, tc: Toolchain) -> None:
-    env = " ".join(f"{k}={v}" for k, v in tc.env().items())
-    zig = f"env {env} {tc.zig}"
-    n.rule("cc", f"{zig} cc -target {darwin_toolchain.TARGET} -MMD -MF $out.d -std=gnu11 $flags -c $in -o $out", "CC $out", depfile=True)
-    n.rule("cxx", f"{zig} c++ -target {darwin_toolchain.TARGET} -MMD -MF $out.d $flags -c $in -o $out", "CXX $out", depfile=True)
+@dataclass(frozen=True)
+class Compilers:
+    """How this machine compiles and links for macOS arm64: zig's cross toolchain with our stubs on
+    Linux (cross()), or a Mac's own Apple clang, SDK and torch (tools/build/darwin_native.py)."""
+
+    cc: str  # command prefixes; the rules add the flags, inputs and output
+    cxx: str
+    link: str  # a shared library from objects
+    metal_cpp: Path
+    includes: tuple[str, ...]  # besides metal-cpp's: the CoreFoundation / IOSurface stand-ins on Linux
+    torch: dict[str, TorchMac]
+    link_inputs: Callable[[TorchMac], list[str]]  # the libraries every link names
+    link_deps: Callable[[TorchMac], list[Path]]  # files whose change relinks
+    recipe_files: tuple[Path, ...]  # files of the checkout an extension's recipe reads besides its sources
+    identity: extension_cache.Toolchain
+    runtime_dir: Path
+    # the link checks' tables for a torch version; None where the machine's own loader checks (a Mac)
+    allowed: Callable[[str], dict[str, set[str]]] | None
+
+
+def cross(tc: Toolchain) -> Compilers:
+    zig = f"env {' '.join(f'{k}={v}' for k, v in tc.env().items())} {tc.zig}"
+    target = f"-target {darwin_toolchain.TARGET}"
     # -nostdlib++: libc++ is the system's (our stub), never zig's own linked in statically
-    n.rule("link", f"{zig} c++ -target {darwin_toolchain.TARGET} -shared -nostdlib++ -o $out $in $ldflags", "LINK $out")
+    return Compilers(f"{zig} cc {target}", f"{zig} c++ {target}", f"{zig} c++ {target} -shared -nostdlib++",
+                     tc.metal_cpp, (f"-I{darwin_toolchain.SHIM_INCLUDE}",), tc.torch,
+                     lambda torch: [str(p) for p in _stub_inputs(tc, torch)], lambda torch: _stub_inputs(tc, torch),
+                     (darwin_toolchain.STUBS_TOML,), MAC_TOOLCHAIN, runtime_dir(),
+                     lambda version: macho_check.libraries(tc, version))
+
+
+def _rules(n: ninja.NinjaFile, c: Compilers) -> None:
+    n.rule("cc", f"{c.cc} -MMD -MF $out.d -std=gnu11 $flags -c $in -o $out", "CC $out", depfile=True)
+    n.rule("cxx", f"{c.cxx} -MMD -MF $out.d $flags -c $in -o $out", "CXX $out", depfile=True)
+    n.rule("link", f"{c.link} -o $out $in $ldflags", "LINK $out")
 
 
 def _stub_inputs(tc: Toolchain, torch: TorchMac) -> list[Path]:
@@ -110,11 +141,11 @@ def runtime_dir() -> Path:
     return upstream.ggml_tree().parent / "runtime-darwin"
 
 
-def build_runtimes(tc: Toolchain, jobs: int | None) -> dict[str, Path]:
+def build_runtimes(tc: Compilers, jobs: int | None) -> dict[str, Path]:
     """libggml-kernels-metal.dylib per torch version (the device layer's platform part uses torch's
     MPS API); everything else in it is compiled once."""
     tree = upstream.ggml_tree()
-    src, out = tree / "src", runtime_dir()
+    src, out = tree / "src", tc.runtime_dir
     gen = out / "gen"
     gen.mkdir(parents=True, exist_ok=True)
     ggml_runtime.write_version_header(gen)
@@ -142,7 +173,7 @@ def build_runtimes(tc: Toolchain, jobs: int | None) -> dict[str, Path]:
     layer = [gen / "metal_supports_op.cpp", gen / "metal_source.cpp", DEVICE_API, *(MPS_DIR / f for f in DEVICE_LAYER)]
     layer_flags = COMMON_FLAGS + CXXFLAGS + [f"-D{d}" for d in GGML_DEFINES] + [
         f"-I{tree / 'include'}", f"-I{src}", f"-I{metal_dir}", f"-I{gen}", f"-I{MPS_DIR}", f"-I{COMMON / 'metal'}",
-        f"-I{tc.metal_cpp}", f"-I{darwin_toolchain.SHIM_INCLUDE}"]
+        f"-I{tc.metal_cpp}", *tc.includes]
     # compiled once; those including torch's headers once per torch (its MPS API is C++)
     per_torch = [p for p in layer if uses_torch(p)]
     for path in layer:
@@ -158,15 +189,15 @@ def build_runtimes(tc: Toolchain, jobs: int | None) -> dict[str, Path]:
             n.build(obj, "cxx", path, variables={"flags": ninja.quote(layer_flags + _torch_includes(torch))})
             torch_objs.append(obj)
         lib = out / f"torch{torch.tag}" / LIBRARY
-        n.build(lib, "link", objs + torch_objs, implicit=_stub_inputs(tc, torch),
-                variables={"ldflags": ninja.quote([*_stub_inputs(tc, torch), *_ldflags(LIBRARY)])})
+        n.build(lib, "link", objs + torch_objs, implicit=tc.link_deps(torch),
+                variables={"ldflags": ninja.quote([*tc.link_inputs(torch), *_ldflags(LIBRARY)])})
         libs[version] = lib
     n.write(out / "build.ninja")
     ninja.run(out, jobs)
     return libs
 
 
-def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchMac, runtime: Path, jobs: int | None) -> Path:
+def build_extension(spec: package_spec.PackageSpec, tc: Compilers, torch: TorchMac, runtime: Path, jobs: int | None) -> Path:
     """One package's darwin variant folder, checked."""
     import sysconfig
 
@@ -189,7 +220,7 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
     # for what Py_LIMITED_API exposes; the symbols bind at load time to the interpreter's.
     includes = [*_torch_includes(torch), f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
                 f"-I{COMMON / 'metal'}", f"-I{MPS_DIR}", f"-I{pkg / 'torch-ext'}", *(f"-I{d}" for d in include_dirs),
-                f"-I{tc.metal_cpp}", f"-I{darwin_toolchain.SHIM_INCLUDE}"]
+                f"-I{tc.metal_cpp}", *tc.includes]
     flags = COMMON_FLAGS + CXXFLAGS + [f"-DTORCH_EXTENSION_NAME={ext_id}", "-DGGML_KERNELS_DISPATCH_KEY=MPS",
                                        f'-DGGML_KERNELS_MPS_RUNTIME="{LIBRARY}"', *includes]
     n = ninja.NinjaFile()
@@ -201,14 +232,15 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
         objs.append(obj)
     so = work / f"{ext_id}.abi3.so"
     # Python's C API binds by flat lookup to the interpreter that imports the module
-    ldflags = [*_stub_inputs(tc, torch), *_ldflags(so.name), "-Wl,-undefined,dynamic_lookup"]
-    n.build(so, "link", objs, implicit=_stub_inputs(tc, torch), variables={"ldflags": ninja.quote(ldflags)})
+    ldflags = [*tc.link_inputs(torch), *_ldflags(so.name), "-Wl,-undefined,dynamic_lookup"]
+    n.build(so, "link", objs, implicit=tc.link_deps(torch), variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
     # the zig and macOS torch versions are in the recipe's paths; the stubs' symbols in stubs.toml
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc")]
-    extension_cache.build(so, work, n, [*compiled, darwin_toolchain.STUBS_TOML], jobs, MAC_TOOLCHAIN)
-    allowed = macho_check.libraries(tc, torch.version)
-    macho_check.check_file(so, allowed)  # before it lands in build/
+    extension_cache.build(so, work, n, [*compiled, *tc.recipe_files], jobs, tc.identity)
+    allowed = tc.allowed(torch.version) if tc.allowed else None
+    if allowed is not None:
+        macho_check.check_file(so, allowed)  # before it lands in build/
 
     out = pkg / "build" / variant
     glue = build.python_glue(build.BACKENDS["cpu"])  # common/python only: no emulator module
@@ -218,7 +250,8 @@ def build_extension(spec: package_spec.PackageSpec, tc: Toolchain, torch: TorchM
     build.assemble(out, pkg / "torch-ext" / py_name, so, [runtime, notice], glue, ext_id, spec.general, backend="metal")
     for module in glue:
         files.copy_if_changed(module, out / module.name)
-    macho_check.check_variant(out, allowed)
+    if allowed is not None:
+        macho_check.check_variant(out, allowed)
     macho_check.check_macos_binaries(out, required=False)
     return out
 
@@ -248,16 +281,20 @@ def check_runtime_exports(lib: Path) -> None:
                                          f"{', '.join(p.name for p in EXTENSION_BACKEND)})")
 
 
-def build_all(names: list[str], versions: tuple[str, ...], jobs: int | None = None) -> list[Path]:
+def build_all(names: list[str], versions: tuple[str, ...], jobs: int | None = None,
+              compilers: Callable[[tuple[str, ...]], Compilers] | None = None) -> list[Path]:
+    """Every package's variant for each torch version; `compilers` makes the toolchain for the versions
+    (default: zig's cross toolchain, fetched into the cache)."""
     missing = missing_sources()
     if missing:
         raise RuntimeError("the darwin build needs the MPS device layer; missing: "
                            + ", ".join(str(p.relative_to(REPO)) for p in missing))
     start = time.monotonic()
-    tc = darwin_toolchain.toolchain(versions)
+    tc = (compilers or (lambda v: cross(darwin_toolchain.toolchain(v))))(versions)
     runtimes = build_runtimes(tc, jobs)
     for version, lib in runtimes.items():
-        macho_check.check_file(lib, macho_check.libraries(tc, version))
+        if tc.allowed:
+            macho_check.check_file(lib, tc.allowed(version))
         check_runtime_exports(lib)
     print(f"[darwin] toolchain and runtimes: {time.monotonic() - start:.0f} s", file=sys.stderr)
     outs = []
