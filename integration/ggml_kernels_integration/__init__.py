@@ -31,6 +31,9 @@
 (`packages/<name>/build-metal-emu`: upstream's Metal host code and kernels, run on the CPU on CPU
 tensors): transformers runs the model through the Metal path of every package, for verification on a
 machine without a Mac (slow); `metal_dispatches()` then lists the Metal kernels that ran.
+`enable(backend="mps-emu")` does the same on the MPS device layer's Linux twin
+(`packages/<name>/build-mps-emu`: the layer a Mac runs on torch's MPS stream, here over a fake Metal
+framework and MPS stream executing on the emulated device); `locate.BACKENDS` lists the backends.
 
 It is all or nothing: every change goes through one undo log (`patching.PatchSet`), so a failure
 midway leaves transformers as it was, and `disable()` restores every attribute it changed; models
@@ -107,9 +110,10 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
            allow_untested_versions: bool = False, report_loads: bool = True) -> None:
     """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
 
-    backend: "cpu" (ggml-cpu, the default) or "metal-emu" (upstream's Metal backend on the emulated
-        device: every package's build-metal-emu build, all five required; dense_prefill and
-        repack_weights, CPU-only paths, stay off).
+    backend: "cpu" (ggml-cpu, the default), "metal-emu" (upstream's Metal backend on the emulated
+        device: every package's build-metal-emu build) or "mps-emu" (the MPS device layer's Linux
+        twin: every package's build-mps-emu build). On both Metal backends all five packages are
+        required, and dense_prefill and repack_weights, ggml-cpu paths, stay off.
     dense_prefill: prefill matmuls on block-32 weights take `dense_prefill` (ggml's dequantize and a
         bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
         matmul (8-bit activations, as llama.cpp). The last call's value holds.
@@ -125,22 +129,20 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
     needs `disable()` first). Raises `UnsupportedVersionError`, `InternalsChangedError`, `ValueError`
     or `RuntimeError` (no build found) before changing anything; any other failure undoes what was
     changed."""
-    if backend not in locate.BUILD_FOLDERS:
-        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(locate.BUILD_FOLDERS)}")
-    if backend != "cpu" and repack_weights:
+    on_metal = locate.backend_of(backend).metal
+    if on_metal and repack_weights:
         raise ValueError("repack_weights holds weights in ggml-cpu's layout: it needs backend='cpu'")
     if is_enabled() and backend != _active["backend"]:
         raise RuntimeError(f"enabled with backend {_active['backend']!r}: call disable() before enabling {backend!r}")
     _options["repack_weights"] = bool(repack_weights)
     if is_enabled():
-        _dense_prefill_module.set_enabled(dense_prefill and backend == "cpu")
+        _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
         return
     if not allow_untested_versions:
         compat.check_versions()
     compat.check_internals()
     ours = locate.builds(backend)
-    required = (locate.QUANTIZATION,) if backend == "cpu" else locate.HUB_IDS
-    missing = tuple(repo_id for repo_id in required if repo_id not in ours)
+    missing = tuple(repo_id for repo_id in locate.required(backend) if repo_id not in ours)
     if missing:
         raise RuntimeError(locate.not_found_message(backend, missing))
     patches = PatchSet()
@@ -149,7 +151,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
     except BaseException:
         patches.restore()
         raise
-    _dense_prefill_module.set_enabled(dense_prefill and backend == "cpu")
+    _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
     _active.update(patches=patches, backend=backend, builds=ours)
     kept_kernels.release()  # models loaded before a disable() run on the patched classes again
 
@@ -169,7 +171,7 @@ def disable() -> None:
 
 
 def backend() -> str | None:
-    """The backend of the enable() in force ("cpu" or "metal-emu"), None when not enabled."""
+    """The backend of the enable() in force (a key of `locate.BACKENDS`), None when not enabled."""
     return _active.get("backend")
 
 
@@ -182,12 +184,17 @@ def _loaded_packages() -> list:
     return [kernels.get_kernel(repo_id, version=1, **locate.backend_kwargs()) for repo_id in _active["builds"]]
 
 
+def _check_metal(caller: str) -> None:
+    if backend() is None or not locate.BACKENDS[backend()].metal:
+        metal = " or ".join(repr(name) for name, entry in locate.BACKENDS.items() if entry.metal)
+        raise RuntimeError(f"{caller}() needs enable(backend={metal}), enabled: {backend()!r}")
+
+
 def metal_dispatches() -> dict[str, int]:
-    """With `enable(backend="metal-emu")`: {Metal kernel name: threadgroups dispatched}, summed over
-    every package, since the packages were loaded or `reset_metal_dispatches()` last ran. Raises
-    RuntimeError on the CPU backend (no Metal dispatches to show)."""
-    if backend() != "metal-emu":
-        raise RuntimeError(f"metal_dispatches() needs enable(backend='metal-emu'), enabled: {backend()!r}")
+    """With `enable(backend="metal-emu")` or "mps-emu": {Metal kernel name: threadgroups dispatched},
+    summed over every package, since the packages were loaded or `reset_metal_dispatches()` last ran.
+    Raises RuntimeError on the CPU backend (no Metal dispatches to show)."""
+    _check_metal("metal_dispatches")
     total: dict[str, int] = {}
     for module in _loaded_packages():
         for kernel, threadgroups in module.metal_dispatches().items():
@@ -197,8 +204,7 @@ def metal_dispatches() -> dict[str, int]:
 
 def reset_metal_dispatches() -> None:
     """Forget the Metal dispatches of every package so far (see `metal_dispatches`)."""
-    if backend() != "metal-emu":
-        raise RuntimeError(f"reset_metal_dispatches() needs enable(backend='metal-emu'), enabled: {backend()!r}")
+    _check_metal("reset_metal_dispatches")
     for module in _loaded_packages():
         module.reset_metal_dispatches()
 

@@ -9,14 +9,17 @@ after `nox -s build`, or a kernel repository downloaded from the Hub. Looked up,
 2. `LOCAL_KERNELS` entries the user set for our Hub ids (kernels' own override, same form as 1's first);
 3. the `packages/` folder of the checkout this module lives in (an editable install).
 
-A package folder holds one build per backend: `build/` (CPU) and `build-metal-emu/` (upstream's
-Metal backend on the emulated device, CPU tensors); `builds(backend)` picks the backend's folder.
+A package folder holds one build per backend (`BACKENDS`): `build/` (CPU), `build-metal-emu/`
+(upstream's Metal backend on the emulated device, CPU tensors) and `build-mps-emu/` (the MPS device
+layer on its Linux twin: the fake Metal framework and MPS stream over the emulated device, CPU
+tensors); `builds(backend)` picks the backend's folder.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +30,24 @@ ATTENTION = "ggml-org/ggml-attn"
 # every package the integration can use; only ggml-quantization is required
 HUB_IDS = (QUANTIZATION, "ggml-org/ggml-norm", ATTENTION, "ggml-org/ggml-gated-delta-net", "transformers-community/topk")
 CHECKOUT_PACKAGES = Path(__file__).resolve().parents[2] / "packages"
-# backend -> the build folder inside a package folder
-BUILD_FOLDERS = {"cpu": "build", "metal-emu": "build-metal-emu"}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What `enable(backend=...)` loads and what it may do there."""
+
+    folder: str  # the build folder inside a package folder
+    # upstream's Metal host code picks each kernel: every package is required (a call left on a CPU
+    # build would not be checked), the builds log their Metal dispatches (`metal_dispatches()`), and
+    # the ggml-cpu paths (dense_prefill, repack_weights) stay off
+    metal: bool
+
+
+BACKENDS = {
+    "cpu": Backend("build", metal=False),
+    "metal-emu": Backend("build-metal-emu", metal=True),
+    "mps-emu": Backend("build-mps-emu", metal=True),
+}
 
 
 def cpu_variant() -> str:
@@ -75,18 +94,29 @@ def _entries(value: str | None) -> dict[str, Path]:
     return found
 
 
+def backend_of(name: str) -> Backend:
+    """The `BACKENDS` entry of `name`; ValueError naming the known ones otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def required(backend: str) -> tuple[str, ...]:
+    """The Hub ids `enable(backend=...)` cannot run without."""
+    return HUB_IDS if backend_of(backend).metal else (QUANTIZATION,)
+
+
 def _for_backend(folder: Path, backend: str) -> Path:
     """The kernel folder of `backend` in a package folder (the folder itself for the CPU, whose
     variants kernels finds under build/); a kernel folder stays as it is."""
     if backend == "cpu" or not (folder / "build.toml").is_file():
         return folder
-    return folder / BUILD_FOLDERS[backend]
+    return folder / BACKENDS[backend].folder
 
 
 def builds(backend: str = "cpu") -> dict[str, Path]:
     """Hub id -> kernel folder, for each of `HUB_IDS` that has a `backend` build for this torch."""
-    if backend not in BUILD_FOLDERS:
-        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BUILD_FOLDERS)}")
+    backend_of(backend)
     sources = [
         _entries(os.environ.get(BUILDS_ENV)),
         _entries(os.environ.get("LOCAL_KERNELS")),

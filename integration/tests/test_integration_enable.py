@@ -253,22 +253,33 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", locate.BUILDS_ENV)}
 
 
-def test_each_backend_has_its_own_build_folders():
+METAL_BACKENDS = [name for name, backend in locate.BACKENDS.items() if backend.metal]
+
+
+@pytest.mark.parametrize("backend", METAL_BACKENDS)
+def test_each_backend_has_its_own_build_folders(backend):
     """`builds("metal-emu")` takes each package's build-metal-emu/ folder (a kernel folder whose
-    variants kernels finds directly), `builds()` the package folders (variants under build/)."""
-    cpu, metal = locate.builds(), locate.builds("metal-emu")
+    variants kernels finds directly), `builds("mps-emu")` build-mps-emu/, `builds()` the package
+    folders (variants under build/)."""
+    cpu, metal = locate.builds(), locate.builds(backend)
     assert set(metal) == set(locate.HUB_IDS) == set(cpu), "build the packages first (nox -s build)"
     for repo_id, folder in metal.items():
-        assert folder == cpu[repo_id] / "build-metal-emu" and locate.variant_dir(folder) is not None
-    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
-        locate.builds("cuda")
+        assert folder == cpu[repo_id] / f"build-{backend}" and locate.variant_dir(folder) is not None
+    assert locate.required(backend) == locate.HUB_IDS and locate.required("cpu") == (locate.QUANTIZATION,)
+
+
+def test_an_unknown_backend_is_named():
+    for call in (locate.builds, locate.required, locate.backend_of):
+        with pytest.raises(ValueError, match="unknown backend 'cuda': expected one of cpu, metal-emu, mps-emu"):
+            call("cuda")
 
 
 def test_enable_refuses_bad_backend_arguments_before_changing_anything():
     out = run("""
 before = snapshot()
 errors = []
-for kwargs in ({"backend": "mps"}, {"backend": "metal-emu", "repack_weights": True}):
+for kwargs in ({"backend": "mps"}, {"backend": "metal-emu", "repack_weights": True},
+               {"backend": "mps-emu", "repack_weights": True}):
     try:
         gk.enable(**kwargs)
     except ValueError as e:
@@ -294,7 +305,8 @@ print(json.dumps({"errors": errors, "untouched": untouched, "backends": [cpu, me
 """)
     assert out["untouched"] == []
     assert [e.split(":")[0] for e in out["errors"]] == [
-        "unknown backend 'mps'", "repack_weights holds weights in ggml-cpu's layout", "enabled with backend 'cpu'",
-        "metal_dispatches() needs enable(backend='metal-emu'), enabled",
+        "unknown backend 'mps'", "repack_weights holds weights in ggml-cpu's layout",
+        "repack_weights holds weights in ggml-cpu's layout", "enabled with backend 'cpu'",
+        "metal_dispatches() needs enable(backend='metal-emu' or 'mps-emu'), enabled",
     ]
     assert out["backends"] == ["cpu", "metal-emu", None] and out["empty"] == {}

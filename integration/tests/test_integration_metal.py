@@ -20,6 +20,10 @@ What is expected, and why the bounds are what they are:
 - Every Metal kernel the model needs was dispatched (the test lists them per model), every package
   module reports the metal-emu backend, and no op ran on a CPU build (the profiler sees only the
   `_<package>_metal_emu_<hash>` namespaces of our ops).
+- `enable(backend="mps-emu")`, the MPS device layer on its Linux twin (the fake Metal framework
+  executes each dispatch on the same emulated device), gives the metal-emu backend's results bit
+  for bit: the prompt's logits, the 16 greedy tokens and each decode step's logits, with the same
+  Metal kernels dispatched the same number of threadgroups, and no op on another build.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tools.testing.kernel_testing import fresh_process
 pytestmark = pytest.mark.slow  # whole models through the emulator, each in a fresh process
 
 CODE = """
-import json, os
+import hashlib, json, os
 import numpy as np, torch
 from tools.models import make_gguf, smollm2
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,12 +58,13 @@ model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, d
 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 with torch.inference_mode(), prof:
     res["logits"] = model(x).logits[0].tolist()
-    if BACKEND == "metal-emu":
+    if BACKEND is not None and gk.locate.BACKENDS[BACKEND].metal:
         gk.reset_metal_dispatches()
         out = model.generate(x, max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
         res["gen"] = out.sequences[0, len(ids):].tolist()
         cached = torch.stack(out.logits, 1)[0]
         uncached = model(out.sequences).logits[0, len(ids) - 1 : -1]
+        res["decode_logits_sha256"] = hashlib.sha256(cached.contiguous().numpy().tobytes()).hexdigest()
         res["cache_rel"] = ((cached - uncached).abs().max() / uncached.abs().max()).item()
         res["cache_top1"] = bool(torch.equal(cached.argmax(-1), uncached.argmax(-1)))
         res["dispatches"] = gk.metal_dispatches()
@@ -91,6 +96,13 @@ def run_backend(config: str, backend: str | None) -> dict:
 @pytest.fixture(scope="module", params=list(CASES))
 def runs(request):
     return request.param, {backend: run_backend(request.param, backend) for backend in (None, "cpu", "metal-emu")}
+
+
+@pytest.fixture(scope="module")
+def twin(runs):
+    """The MPS twin's run of the same model, beside the other backends' (`runs`)."""
+    config, res = runs
+    return res, run_backend(config, "mps-emu")
 
 
 def compare(a, b) -> dict:
@@ -125,3 +137,12 @@ def test_greedy_decode_on_the_metal_path(runs):
     metal = res["metal-emu"]
     assert len(metal["gen"]) == 16
     assert metal["cache_top1"] and metal["cache_rel"] < 0.02, metal["cache_rel"]
+
+
+def test_the_mps_twin_gives_metal_emus_results_bit_for_bit(twin):
+    res, mps = twin
+    metal = res["metal-emu"]
+    for key in ("logits", "gen", "decode_logits_sha256", "dispatches"):
+        assert mps[key] == metal[key], key  # float32 values survive JSON exactly
+    ours = [ns for ns in mps["namespaces"] if ns.startswith(("_ggml_", "_topk_"))]
+    assert ours and not any("_cpu_" in ns or "_metal_emu_" in ns for ns in ours), mps["namespaces"]
