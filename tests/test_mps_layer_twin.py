@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tools import REPO
-from tools.build import ggml_runtime, metal_runtime, metal_source, upstream
+from tools.build import ggml_runtime, metal_runtime, upstream
 from tools.build import ninja_build as ninja
 
 pytestmark = pytest.mark.slow  # builds the twin's driver (~1 min of clang on two cores)
@@ -26,65 +26,37 @@ MPS = REPO / "common" / "metal" / "mps"
 DRIVER = REPO / "tests" / "mps_emu" / "mps_layer_driver.cpp"
 LAYER = ["mps_device.cpp", "mps_context.cpp", "metal_cpp_impl.cpp"]
 CASES = ["rms_norm", "rms_norm_mul"]
-RUNTIME = "libggml-kernels-metal-twin.so"
 GLUE_OPS = REPO / "tests" / "mps_emu" / "mps_glue_ops.cpp"
 
 
 def _build(out: Path) -> tuple[Path, Path]:
-    """(twin driver, emulated-runtime driver) in `out`."""
+    """(twin driver, emulated-runtime driver) in `out`; the twin's runtime (mps_runtime.twin_runtime)
+    on the way, whose objects the twin driver links."""
     mps_runtime = pytest.importorskip("tools.build.mps_runtime")
-    import torch.utils.cpp_extension as ext
 
-    fake = mps_runtime.build() / mps_runtime.LIBRARY  # the framework, with its own emulator
+    mps_runtime.twin_runtime(2)
+    fake = mps_runtime.out_dir() / mps_runtime.LIBRARY  # the framework, with its own emulator
     runtime = ggml_runtime.runtime_dir()
     tree = upstream.ggml_tree()
     metal_dir = tree / "src" / "ggml-metal"
-    gen = out / "gen"
-    gen.mkdir(parents=True, exist_ok=True)
-    metal_source.write(metal_dir, gen / "metal_source.cpp")
-    sliced = metal_runtime.slice_supports_op((metal_dir / "ggml-metal-device.m").read_text())
-    assert sliced.startswith(metal_runtime.SLICE_PRELUDE)
-    (gen / "metal_supports_op.cpp").write_text('#include "mps_device.h"\n#include "ggml-metal-common.h"\n'
-                                               '#include "ggml-metal-impl.h"\n#include "ggml-impl.h"\n'
-                                               + sliced[len(metal_runtime.SLICE_PRELUDE):])
-
     metal = REPO / "common" / "metal"
     ggml = [f"-isystem{tree / 'include'}", f"-isystem{tree / 'src'}", f"-isystem{metal_dir}"]
     clang = mps_runtime.CXXFLAGS + [f"-I{mps_runtime.FAKE_DIR / 'shims'}", f"-I{mps_runtime.metal_cpp()}"]
-    torch = [f"-isystem{p}" for p in ext.include_paths()]
     n = ninja.NinjaFile()
     n.rule("clang", f"{mps_runtime.CLANG} -MMD -MF $out.d $flags -c $in -o $out", "CXX $out", depfile=True)
     n.rule("gxx", "g++ -MMD -MF $out.d -std=gnu++17 -O2 -fPIC -pthread $flags -c $in -o $out", "CXX $out", depfile=True)
     n.rule("link", f"{mps_runtime.CLANG} -o $out $in $ldflags", "LINK $out")
-    compiles = [(MPS / f, "clang", clang + [f"-I{MPS}", f"-I{metal}"] + ggml) for f in LAYER]
-    compiles += [(mps_runtime.FAKE_DIR / "mps_platform_fake.cpp", "clang", clang + [f"-I{MPS}", f"-I{mps_runtime.FAKE_DIR}"] + torch),
-                 (gen / "metal_source.cpp", "gxx", [f"-I{MPS}"]),
-                 (gen / "metal_supports_op.cpp", "gxx", [f"-I{MPS}"] + ggml),
-                 (metal / "metal_device_api.cpp", "gxx", [f"-I{metal}"] + ggml)]
-    objs = []
-    for src, rule, flags in compiles:
-        obj = out / "obj" / (src.name + ".o")
-        n.build(obj, rule, src, variables={"flags": ninja.quote(flags)})
-        objs.append(obj)
-    base = sorted((runtime / "obj" / "base").glob("*.o"))
-    base += [runtime / "obj" / "glibc_compat.o", runtime / "obj" / "glibcxx_compat.o"]  # what base was built against
-    host = [runtime / "obj" / "metal" / (Path(s).name + ".o") for s in metal_runtime.HOST_SOURCES]
     twin = out / "mps-layer-driver"
     n.build(out / "obj" / "driver-mps.o", "clang", DRIVER,
-            variables={"flags": ninja.quote(clang + ["-DGK_DRIVER_MPS", f"-I{metal}", f"-I{mps_runtime.FAKE_DIR}"] + ggml)})
-    torch_lib = ext.library_paths()[0]
-    n.build(twin, "link", [out / "obj" / "driver-mps.o", *objs, *base, *host], implicit=[fake],
+            variables={"flags": ninja.quote(clang + ["-DGK_DRIVER_MPS", f"-I{metal}", f"-I{MPS}", f"-I{mps_runtime.FAKE_DIR}"] + ggml)})
+    objs = [*mps_runtime.twin_objects(), *mps_runtime.runtime_link_objects(runtime)]
+    n.build(twin, "link", [out / "obj" / "driver-mps.o", *objs], implicit=[fake],
             variables={"ldflags": ninja.quote([str(fake), f"-Wl,-rpath,{fake.parent}", *mps_runtime.LINK_LIBS,
-                                               f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"])})
+                                               *mps_runtime.torch_link_flags()])})
     emu = out / "emu-driver"
     n.build(out / "obj" / "driver-emu.o", "gxx", DRIVER, variables={"flags": ninja.quote([f"-I{metal}"] + ggml)})
     n.build(emu, "link", [out / "obj" / "driver-emu.o"],
             variables={"ldflags": ninja.quote([f"-L{runtime}", f"-l:{metal_runtime.LIBRARY}", f"-Wl,-rpath,{runtime}"])})
-    # the twin's Metal runtime for the MPS backend's glue: what the driver links, as a library
-    n.build(out / RUNTIME, "link", [*objs, *base, *host], implicit=[fake],
-            variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{RUNTIME}", "-Wl,--no-undefined", str(fake),
-                                               f"-Wl,-rpath,{fake.parent}", *mps_runtime.LINK_LIBS, f"-L{torch_lib}",
-                                               "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"])})
     n.write(out / "build.ninja")
     ninja.run(out, 2)
     return twin, emu
@@ -147,7 +119,7 @@ def _extension(name: str, sources: list[Path], *, mps: bool, flags: tuple[str, .
 
     build_dir = OUT / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    runtime = OUT / RUNTIME if mps else ggml_runtime.runtime_dir() / metal_runtime.LIBRARY
+    runtime = mps_runtime.twin_runtime(2) if mps else ggml_runtime.runtime_dir() / metal_runtime.LIBRARY
     _place(runtime, build_dir / runtime.name)  # a backend loads its runtime from beside itself
     common = REPO / "common"
     cflags = ["-O1", "-DGGML_KERNELS_BACKEND_METAL=1", "-Wno-deprecated-declarations", *flags]
@@ -156,10 +128,10 @@ def _extension(name: str, sources: list[Path], *, mps: bool, flags: tuple[str, .
     if mps:
         backend = MPS / "mps_backend.cpp"
         fake = mps_runtime.out_dir() / mps_runtime.LIBRARY
-        cflags += ["-DGGML_KERNELS_BACKEND_MPS=1", f"'-DGGML_KERNELS_MPS_RUNTIME=\"{RUNTIME}\"'",  # through ninja's shell
+        cflags += ["-DGGML_KERNELS_BACKEND_MPS=1", f"'-DGGML_KERNELS_MPS_RUNTIME=\"{mps_runtime.TWIN_RUNTIME}\"'",  # through ninja's shell
                    "-DGGML_KERNELS_MPS_DEVICE=CPU"]  # the twin's MPS tensors are CPU tensors
         # mps_platform.h on the twin (the backend's tensor_buffer, synchronize): clang-built, over the fake
-        ldflags = [str(OUT / "obj" / "mps_platform_fake.cpp.o"), str(fake), f"-Wl,-rpath,{fake.parent}",
+        ldflags = [str(mps_runtime.platform_object()), str(fake), f"-Wl,-rpath,{fake.parent}",
                    f"-l:{mps_runtime.OBJC_RUNTIME}"]
     return ext.load(name=name, build_directory=str(build_dir), verbose=False,
                     sources=[str(p) for p in [*sources, common / "ggml_torch.cpp", common / "ggml_runtime.cpp", backend]],

@@ -21,7 +21,12 @@ runs as root with apt-get; otherwise the build stops naming them. Not under GGML
 
 builds, in <runtime>/mps-emu/: the framework, `libggml-kernels-fake-metal.so` (what a library over
 the device layer links: metal-cpp's calls, MTLCreateSystemDefaultDevice, dispatch_sync_f, the
-at::mps stream and fake_mps.h), and `fake-metal-driver`, the C++ driver of tests/test_mps_emu_fake.py.
+at::mps stream and fake_mps.h), and `fake-metal-driver`, the C++ driver of tests/test_mps_emu_fake.py;
+and twin_runtime(), in <runtime>/mps-emu/torch<XY>/: `libggml-kernels-metal-twin.so`, the twin's
+Metal runtime (what libggml-kernels-metal.dylib is on a Mac): ggml-base and upstream's Metal host
+code (the Metal runtime build's objects) over the MPS device layer and its Linux platform part.
+
+    python -m tools.build.mps_runtime twin  # the twin runtime too
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 
 from tools import REPO
 
-from . import files, ggml_runtime, metal_translate, sanitize, upstream
+from . import files, ggml_runtime, metal_runtime, metal_source, metal_translate, sanitize, upstream
 from . import ninja_build as ninja
 
 MLX_METAL = "0.32.4"  # the wheel metal-cpp is taken from (its headers are the macOS 26 edition)
@@ -353,5 +358,117 @@ def build(jobs: int | None = None) -> Path:
     return out
 
 
+# ---- the twin's Metal runtime: upstream's host code over the MPS device layer ----
+
+MPS_DIR = REPO / "common" / "metal" / "mps"
+TWIN_RUNTIME = "libggml-kernels-metal-twin.so"
+# the device layer (the darwin runtime's, less its platform part) and the twin's platform part
+TWIN_LAYER = ["mps_device.cpp", "mps_context.cpp", METAL_CPP_IMPL.name]
+TWIN_PLATFORM = FAKE_DIR / "mps_platform_fake.cpp"  # mps_platform.h on Linux: uses torch's tensors
+DEVICE_API = REPO / "common" / "metal" / "metal_device_api.cpp"
+
+
+def twin_dir() -> Path:
+    """Per torch version (the platform part takes torch's tensors), as the darwin runtimes."""
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return out_dir() / f"torch{major}{minor}"
+
+
+def twin_objects(folder: Path | None = None) -> list[Path]:
+    """The twin runtime's own objects (twin_runtime() builds them), its platform part's among them:
+    a test binary links them with the Metal runtime's base and host objects instead of the library."""
+    obj = (folder or twin_dir()) / "obj"
+    return [obj / (name + ".o") for name in [*TWIN_LAYER, TWIN_PLATFORM.name, "metal_source.cpp",
+                                                "metal_supports_op.cpp", DEVICE_API.name]]
+
+
+def platform_object(folder: Path | None = None) -> Path:
+    """mps_platform.h on the twin, compiled (clang, metal-cpp): what an extension over the MPS
+    backend links besides the runtime (tensor_buffer, synchronize)."""
+    return (folder or twin_dir()) / "obj" / (TWIN_PLATFORM.name + ".o")
+
+
+def runtime_link_objects(runtime: Path) -> list[Path]:
+    """The Metal runtime build's ggml-base and upstream's host objects, and the glibc compat they
+    were built against."""
+    objs = sorted((runtime / "obj" / "base").glob("*.o"))
+    objs += [runtime / "obj" / "glibc_compat.o", runtime / "obj" / "glibcxx_compat.o"]
+    objs += [runtime / "obj" / "metal" / (Path(s).name + ".o") for s in metal_runtime.HOST_SOURCES]
+    missing = [str(o) for o in objs if not o.exists()]
+    if missing or len(objs) == 2 + len(metal_runtime.HOST_SOURCES):
+        raise RuntimeError(f"the Metal runtime build did not make {missing or 'ggml-base'}: update mps_runtime.runtime_link_objects")
+    return objs
+
+
+def _stage_layer(staged: Path) -> None:
+    """The layer's sources and headers, the device API and the platform part into the cache."""
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in [*MPS_DIR.glob("*.cpp"), *MPS_DIR.glob("*.h"), DEVICE_API, DEVICE_API.with_suffix(".h"), TWIN_PLATFORM]:
+        files.write_if_changed(staged / path.name, path.read_text())
+
+
+def _generate(gen: Path, metal_dir: Path) -> None:
+    """Upstream's shader source embedded, and supports_op sliced from ggml-metal-device.m."""
+    metal_source.write(metal_dir, gen / "metal_source.cpp")
+    sliced = metal_runtime.slice_supports_op((metal_dir / "ggml-metal-device.m").read_text())
+    if not sliced.startswith(metal_runtime.SLICE_PRELUDE):
+        raise RuntimeError("metal_runtime.slice_supports_op no longer starts with SLICE_PRELUDE")
+    files.write_if_changed(gen / "metal_supports_op.cpp", '#include "mps_device.h"\n#include "ggml-metal-common.h"\n'
+                           '#include "ggml-metal-impl.h"\n#include "ggml-impl.h"\n' + sliced[len(metal_runtime.SLICE_PRELUDE):])
+
+
+def torch_link_flags() -> list[str]:
+    """What a library over the twin's platform part links of torch (its tensors' storage)."""
+    import torch.utils.cpp_extension as ext
+
+    torch_lib = ext.library_paths()[0]
+    return [f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
+
+
+def twin_runtime(jobs: int | None = None) -> Path:
+    """TWIN_RUNTIME in twin_dir() (incremental; nothing is rebuilt when nothing changed): ggml-base
+    and upstream's host objects of the Metal runtime build, the MPS device layer and its twin
+    platform part, linked to the fake framework (build()) found beside it ($ORIGIN) or in out_dir()."""
+    import torch.utils.cpp_extension as ext
+
+    fake = build(jobs) / LIBRARY
+    runtime = ggml_runtime.runtime_dir()
+    tree = upstream.ggml_tree()
+    metal_dir = tree / "src" / "ggml-metal"
+    out = twin_dir()
+    staged, gen = out / "src", out / "gen"
+    _stage_layer(staged)
+    _generate(gen, metal_dir)
+
+    ggml = [f"-isystem{tree / 'include'}", f"-isystem{tree / 'src'}", f"-isystem{metal_dir}"]
+    clang = CXXFLAGS + [f"-I{out_dir() / 'src' / 'shims'}", f"-I{metal_cpp()}", f"-I{staged}"]
+    torch = [f"-isystem{p}" for p in ext.include_paths()]
+    n = ninja.NinjaFile()
+    n.rule("clang", f"{CLANG} -MMD -MF $out.d $flags -c $in -o $out", "CXX $out", depfile=True)
+    n.rule("gxx", "g++ -MMD -MF $out.d -std=gnu++17 -O2 -fPIC -pthread $flags -c $in -o $out", "CXX $out", depfile=True)
+    n.rule("link", f"{CLANG} -o $out $in $ldflags", "LINK $out")
+    compiles = [(staged / f, "clang", clang + ggml) for f in TWIN_LAYER]
+    compiles += [(staged / TWIN_PLATFORM.name, "clang", clang + [f"-I{out_dir() / 'src'}"] + torch),
+                 (gen / "metal_source.cpp", "gxx", [f"-I{staged}"]),
+                 (gen / "metal_supports_op.cpp", "gxx", [f"-I{staged}"] + ggml),
+                 (staged / DEVICE_API.name, "gxx", [f"-I{staged}"] + ggml)]
+    objs = []
+    for src, rule, flags in compiles:
+        obj = out / "obj" / (src.name + ".o")
+        n.build(obj, rule, src, variables={"flags": ninja.quote(flags)})
+        objs.append(obj)
+    assert objs == twin_objects(out)
+    lib = out / TWIN_RUNTIME
+    n.build(lib, "link", [*objs, *runtime_link_objects(runtime)], implicit=[fake],
+            variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{TWIN_RUNTIME}", "-Wl,--no-undefined",
+                                               "-Wl,-z,noexecstack", str(fake), f"-Wl,-rpath,$$ORIGIN:{fake.parent}",
+                                               *LINK_LIBS, *torch_link_flags()])})
+    n.write(out / "build.ninja")
+    ninja.run(out, jobs)
+    return lib
+
+
 if __name__ == "__main__":
-    print(build())
+    print(twin_runtime() if sys.argv[1:] == ["twin"] else build())
