@@ -278,3 +278,15 @@ def test_a_2d_shared_expert_gate_passes(tmp_path):
     tensors["blk.0.ffn_gate_inp_shexp.weight"] = (1, QWEN35MOE.hidden)
     write(tmp_path / "model.gguf", metadata, tensors)
     gk.check_gguf(tmp_path / "model.gguf")
+
+
+def test_a_file_without_tensors_may_end_where_its_header_does(tmp_path):
+    """With no tensors there is no data section to align: a header cut from its padding is still
+    read, and the file is refused for having no tensors."""
+    metadata, tensors = SPECS["qwen35"]()
+    no_tensors(metadata, tensors)
+    path = tmp_path / "model.gguf"
+    write(path, metadata, tensors)
+    path.write_bytes(path.read_bytes()[:-1])  # the writer pads the header to the alignment
+    with pytest.raises(gk.GgufFileError, match="the file has no tensors"):
+        gk.check_gguf(path)
