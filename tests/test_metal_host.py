@@ -356,7 +356,7 @@ def test_mapped_moe_product_asks_for_kernels_upstream_does_not_define(host):
     kernel_mul_mm_id_map0_ne20_<experts per token>, which mul_mm.metal instantiates for 1, 2, 4, 5, 6,
     8, 10, 16 and 22 only: 3 experts per token name a kernel no .metal file defines (on a Mac, the
     pipeline fails to compile). A clear error here; ggml-quantization's mul_mat_id splits such ids
-    (tests/test_metal_packages.py)."""
+    (packages/ggml-quantization/tests/test_metal.py)."""
     k, n, experts, tokens, used = 256, 32, 4, 40, 3
     qtype, blocks, _ = dense_weights(host, "Q8_0", experts * n, k, 0)
     ids = np.stack([np.random.default_rng(i).choice(experts, used, replace=False) for i in range(tokens)]).astype(np.int32)

@@ -1,6 +1,7 @@
-"""Bad input gets a clear Python exception naming the problem, never a crash or an out-of-bounds
-read. The checks live in the kernel, so the op is called directly (torch.ops) too; the layer's
-cache checks are Python."""
+"""Bad input gets a clear Python exception naming the problem, never a crash or an out-of-bounds read.
+The checks live in the kernel, so the op is called directly (torch.ops) too; the layer's cache
+checks are Python. Every test runs on each build kind of the package (conftest.py: cpu, metal-emu,
+mps-emu): the checks are shared, the words the same."""
 
 from __future__ import annotations
 
@@ -29,111 +30,111 @@ def call(gdn, **over):
     return gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"])
 
 
-def test_heads_not_a_multiple(gdn):
+def test_heads_not_a_multiple(build):
     with pytest.raises(ValueError, match=r"value heads \(3\) must be a multiple of key heads \(2\)"):
-        call(gdn, v=torch.randn(B, T, 3, D), g=torch.rand(B, T, 3), beta=torch.rand(B, T, 3), state=None)
+        call(build, v=torch.randn(B, T, 3, D), g=torch.rand(B, T, 3), beta=torch.rand(B, T, 3), state=None)
     with pytest.raises(ValueError, match="must be a multiple of key heads"):
         a = inputs(v=torch.randn(B, T, 3, D), g=torch.rand(B, T, 3), beta=torch.rand(B, T, 3))
-        gdn.ops.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], None, True, None)
+        build.ops.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], None, True, None)
 
 
-def test_unsupported_head_dim(gdn):
+def test_unsupported_head_dim(build):
     with pytest.raises(ValueError, match=r"head dim 96 is not supported \(32, 64 or 128\)"):
-        call(gdn, q=torch.randn(B, T, HK, 96), k=torch.randn(B, T, HK, 96), v=torch.randn(B, T, HV, 96), state=None)
+        call(build, q=torch.randn(B, T, HK, 96), k=torch.randn(B, T, HK, 96), v=torch.randn(B, T, HV, 96), state=None)
     with pytest.raises(ValueError, match="key head dim 128 differs from value head dim 64"):
-        call(gdn, q=torch.randn(B, T, HK, 128), k=torch.randn(B, T, HK, 128), state=None)
+        call(build, q=torch.randn(B, T, HK, 128), k=torch.randn(B, T, HK, 128), state=None)
 
 
-def test_dtype_mismatch(gdn):
+def test_dtype_mismatch(build):
     with pytest.raises(TypeError, match="q, k and v must share one dtype, got q BFloat16, k Float, v Float"):
-        call(gdn, q=torch.randn(B, T, HK, D).bfloat16())
+        call(build, q=torch.randn(B, T, HK, D).bfloat16())
     with pytest.raises(TypeError, match="q must have dtype Float, BFloat16, Half; got Long"):
-        call(gdn, q=torch.ones(B, T, HK, D, dtype=torch.long))
+        call(build, q=torch.ones(B, T, HK, D, dtype=torch.long))
 
 
-def test_bad_state(gdn):
+def test_bad_state(build):
     with pytest.raises(TypeError, match="state must have dtype Float; got BFloat16"):
-        call(gdn, state=torch.zeros(B, HV, D, D, dtype=torch.bfloat16))
+        call(build, state=torch.zeros(B, HV, D, D, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"state must be \(batch, value heads, key dim, value dim\) = \[1, 4, 64, 64\], got \[1, 2, 64, 64\]"):
-        call(gdn, state=torch.zeros(B, HK, D, D))
+        call(build, state=torch.zeros(B, HK, D, D))
     with pytest.raises(ValueError, match="state must be"):
-        call(gdn, state=torch.zeros(B, HV, D * D))
+        call(build, state=torch.zeros(B, HV, D * D))
 
 
-def test_bad_shapes(gdn):
+def test_bad_shapes(build):
     with pytest.raises(ValueError, match=r"k must have q's shape"):
-        call(gdn, k=torch.randn(B, T, HK + 1, D))
+        call(build, k=torch.randn(B, T, HK + 1, D))
     with pytest.raises(ValueError, match=r"q \(batch, tokens, key heads, head dim\) must be 4-D"):
-        call(gdn, q=torch.randn(T, HK, D))
+        call(build, q=torch.randn(T, HK, D))
     with pytest.raises(ValueError, match=r"must agree on batch and tokens"):
-        call(gdn, v=torch.randn(B, T + 1, HV, D))
+        call(build, v=torch.randn(B, T + 1, HV, D))
     with pytest.raises(ValueError, match=r"g must be \(batch, tokens, value heads\) = \[1, 3, 4\], got \[1, 3, 2\]"):
-        call(gdn, g=torch.rand(B, T, HK))
+        call(build, g=torch.rand(B, T, HK))
     with pytest.raises(ValueError, match=r"beta must be"):
-        call(gdn, beta=torch.rand(B, T))
+        call(build, beta=torch.rand(B, T))
 
 
-def test_not_cpu(gdn):
+def test_not_cpu(build):
     with pytest.raises(ValueError, match="all tensors must be on one device"):
-        call(gdn, q=torch.randn(B, T, HK, D, device="meta"))
+        call(build, q=torch.randn(B, T, HK, D, device="meta"))
 
 
-def test_conv_bad_input(gdn):
+def test_conv_bad_input(build):
     x, w = torch.randn(1, 8, 5), torch.randn(8, 1, 4)
     with pytest.raises(ValueError, match=r"weight has 6 channels but x"):
-        gdn.causal_conv1d(x, torch.randn(6, 1, 4))
+        build.causal_conv1d(x, torch.randn(6, 1, 4))
     with pytest.raises(ValueError, match=r"weight must be \(channels, 1, kernel\) or \(channels, kernel\)"):
-        gdn.causal_conv1d(x, torch.randn(8, 2, 4))
+        build.causal_conv1d(x, torch.randn(8, 2, 4))
     with pytest.raises(ValueError, match=r"state must be \(batch, channels, >= kernel - 1\) = \[1, 8, 3\]"):
-        gdn.causal_conv1d(x, w, torch.randn(1, 8, 2))
+        build.causal_conv1d(x, w, torch.randn(1, 8, 2))
     with pytest.raises(ValueError, match="state must be"):
-        gdn.causal_conv1d(x, w, torch.randn(2, 8, 4))
+        build.causal_conv1d(x, w, torch.randn(2, 8, 4))
     with pytest.raises(ValueError, match="activation must be None, 'silu' or 'swish', got 'gelu'"):
-        gdn.causal_conv1d(x, w, None, "gelu")
+        build.causal_conv1d(x, w, None, "gelu")
     with pytest.raises(ValueError, match=r"x \(batch, channels, tokens\) must be 3-D"):
-        gdn.causal_conv1d(x[0], w)
+        build.causal_conv1d(x[0], w)
     with pytest.raises(ValueError, match=r"bias must be \(channels,\)"):
-        gdn.causal_conv1d(x, w, bias=torch.randn(3))
+        build.causal_conv1d(x, w, bias=torch.randn(3))
     with pytest.raises(ValueError, match=r"the kernel size must be 1 to 64, got weight shape \[8, 1, 65\]"):
-        gdn.causal_conv1d(x, torch.randn(8, 1, 65))
+        build.causal_conv1d(x, torch.randn(8, 1, 65))
 
 
-def test_small_ops_bad_input(gdn):
+def test_small_ops_bad_input(build):
     with pytest.raises(ValueError, match=r"a must be \(\.\.\., 4\)"):
-        gdn.gates(torch.randn(4), torch.randn(2, 3), torch.randn(4), torch.randn(2, 3))
+        build.gates(torch.randn(4), torch.randn(2, 3), torch.randn(4), torch.randn(2, 3))
     with pytest.raises(ValueError, match="b must have a's shape"):
-        gdn.gates(torch.randn(4), torch.randn(2, 4), torch.randn(4), torch.randn(3, 4))
+        build.gates(torch.randn(4), torch.randn(2, 4), torch.randn(4), torch.randn(3, 4))
     with pytest.raises(ValueError, match=r"weight must be \(16,\)"):
-        gdn.gated_rms_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(8))
+        build.gated_rms_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(8))
     with pytest.raises(ValueError, match="gate must have x's shape"):
-        gdn.gated_rms_norm(torch.randn(2, 16), torch.randn(2, 8), torch.ones(16))
+        build.gated_rms_norm(torch.randn(2, 16), torch.randn(2, 8), torch.ones(16))
     with pytest.raises(ValueError, match="eps must be finite and >= 0"):
-        gdn.l2_norm(torch.randn(2, 16), -1.0)
+        build.l2_norm(torch.randn(2, 16), -1.0)
 
 
 FLOAT32_RANGE = r", within float32's range \(magnitude at most 3.40282e\+38: ggml computes in float32\), got "
 
 
 @pytest.mark.parametrize("scale", [1e300, -1e300, 3.5e38])
-def test_scale_beyond_float32_is_refused(gdn, scale):
+def test_scale_beyond_float32_is_refused(build, scale):
     """ggml computes in float32: a finite double beyond its range (1e300) became inf there and the
     output all NaN; it is a ValueError, in place or not."""
     a = inputs()
     with pytest.raises(ValueError, match="scale must be finite" + FLOAT32_RANGE):
-        gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=scale)
+        build.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=scale)
     state = a["state"].transpose(-1, -2).contiguous().transpose(-1, -2)
     with pytest.raises(ValueError, match="scale must be finite" + FLOAT32_RANGE):
-        gdn.gated_delta_net_(a["q"], a["k"], a["v"], a["g"], a["beta"], state, l2_normalize_qk=True, scale=scale)
-    out, _ = gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=1e-3)
+        build.gated_delta_net_(a["q"], a["k"], a["v"], a["g"], a["beta"], state, l2_normalize_qk=True, scale=scale)
+    out, _ = build.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=1e-3)
     assert torch.isfinite(out).all()
 
 
-def test_eps_beyond_float32_is_refused(gdn):
+def test_eps_beyond_float32_is_refused(build):
     x = torch.randn(2, 16)
     with pytest.raises(ValueError, match="eps must be finite and >= 0" + FLOAT32_RANGE + "1e\\+300"):
-        gdn.l2_norm(x, 1e300)
+        build.l2_norm(x, 1e300)
     with pytest.raises(ValueError, match="eps must be finite and >= 0" + FLOAT32_RANGE):
-        gdn.gated_rms_norm(x, x, torch.ones(16), eps=1e300)
+        build.gated_rms_norm(x, x, torch.ones(16), eps=1e300)
 
 
 # ---- the layer: a cache that cannot belong to it ----
@@ -160,30 +161,30 @@ def _layer(gdn, config, layer_idx):
 
 
 @torch.no_grad()
-def test_cache_from_another_layer(gdn):
+def test_cache_from_another_layer(build):
     config = _config()
-    module = _layer(gdn, config, layer_idx=2)  # layer 2 of this cache is a full-attention layer
+    module = _layer(build, config, layer_idx=2)  # layer 2 of this cache is a full-attention layer
     with pytest.raises(ValueError, match="cache layer 2 is a .*, not a linear-attention cache layer: layer_idx=2 does not match"):
         module(torch.randn(1, 3, 128), cache_params=DynamicCache(config=config))
-    module = _layer(gdn, _config(layer_types=["linear_attention"] * 3), layer_idx=2)
+    module = _layer(build, _config(layer_types=["linear_attention"] * 3), layer_idx=2)
     one_layer = _config(num_hidden_layers=1, layer_types=["linear_attention"])
     with pytest.raises(ValueError, match="cache_params has 1 layers but this linear-attention layer has layer_idx=2"):
         module(torch.randn(1, 3, 128), cache_params=DynamicCache(config=one_layer))
 
 
 @torch.no_grad()
-def test_cache_from_another_model(gdn):
+def test_cache_from_another_model(build):
     small, other = _config(), _config(linear_num_value_heads=2)
     cache = DynamicCache(config=other)
-    _layer(gdn, other, 0)(torch.randn(1, 3, 128), cache_params=cache)  # fills layer 0 for the other model
+    _layer(build, other, 0)(torch.randn(1, 3, 128), cache_params=cache)  # fills layer 0 for the other model
     with pytest.raises(ValueError, match=r"cache layer 0 holds a conv state of shape \(1, 192, 4\), but layer_idx=0 needs \(batch, 256, 4\)"):
-        _layer(gdn, small, 0)(torch.randn(1, 1, 128), cache_params=cache)
+        _layer(build, small, 0)(torch.randn(1, 1, 128), cache_params=cache)
 
 
 @torch.no_grad()
-def test_cache_for_another_batch(gdn):
+def test_cache_for_another_batch(build):
     config = _config()
-    module = _layer(gdn, config, 0)
+    module = _layer(build, config, 0)
     cache = DynamicCache(config=config)
     module(torch.randn(2, 3, 128), cache_params=cache)
     with pytest.raises(ValueError, match="holds a conv state for batch size 2, but hidden_states has batch size 1"):
@@ -193,32 +194,32 @@ def test_cache_for_another_batch(gdn):
 # ---- in-place ops: a state that inputs share memory with, or one made with expand ----
 
 
-def test_causal_conv1d_inplace_refuses_inputs_overlapping_the_state(gdn):
+def test_causal_conv1d_inplace_refuses_inputs_overlapping_the_state(build):
     """x read from the state the op rolls would be read after it moved (torch's in-place ops refuse
     such an overlap); an expanded state would have every batch entry written to one place."""
     state = torch.randn(1, 8, 4)
     w = torch.randn(8, 1, 4)
     before = state.clone()
     with pytest.raises(RuntimeError, match="x shares memory with state"):
-        gdn.causal_conv1d_(state[:, :, 3:], w, state)
+        build.causal_conv1d_(state[:, :, 3:], w, state)
     with pytest.raises(RuntimeError, match="weight shares memory with state"):
-        gdn.causal_conv1d_(torch.randn(1, 8, 1), state[0, :, :].view(8, 1, 4), state)
+        build.causal_conv1d_(torch.randn(1, 8, 1), state[0, :, :].view(8, 1, 4), state)
     with pytest.raises(RuntimeError, match="bias shares memory with state"):
-        gdn.causal_conv1d_(torch.randn(1, 8, 1), w, state, bias=state[0, :, 0])
+        build.causal_conv1d_(torch.randn(1, 8, 1), w, state, bias=state[0, :, 0])
     assert torch.equal(state, before)
     with pytest.raises(RuntimeError, match="state is written in place but several of its elements share one memory location"):
-        gdn.causal_conv1d_(torch.randn(2, 8, 1), w, torch.zeros(1, 8, 4).expand(2, 8, 4))
-    y = gdn.causal_conv1d_(state[:, :, 3:].clone(), w, state)  # a copy is apart: fine
+        build.causal_conv1d_(torch.randn(2, 8, 1), w, torch.zeros(1, 8, 4).expand(2, 8, 4))
+    y = build.causal_conv1d_(state[:, :, 3:].clone(), w, state)  # a copy is apart: fine
     assert y.shape == (1, 8, 1)
 
 
-def test_gated_delta_net_inplace_refuses_inputs_overlapping_the_state(gdn):
+def test_gated_delta_net_inplace_refuses_inputs_overlapping_the_state(build):
     a = inputs(state=torch.zeros(B, HV, D, D).transpose(2, 3))  # ggml's layout, as the in-place op needs
     flat = a["state"].transpose(2, 3).reshape(-1)
     for name, view in (("q", flat[: B * T * HK * D].view(B, T, HK, D)), ("beta", flat[: B * T * HV].view(B, T, HV))):
         b = dict(a, **{name: view})
         with pytest.raises(RuntimeError, match=f"{name} shares memory with state"):
-            gdn.gated_delta_net_(b["q"], b["k"], b["v"], b["g"], b["beta"], b["state"])
+            build.gated_delta_net_(b["q"], b["k"], b["v"], b["g"], b["beta"], b["state"])
 
 
 # ---- the fake (meta) implementations refuse what the CPU op refuses, with the same words ----
@@ -249,18 +250,18 @@ GDN_REFUSED = {  # overrides of inputs(): q, k (1, 3, 2, 64), v (1, 3, 4, 64), g
 
 
 @pytest.mark.parametrize("case", GDN_REFUSED)
-def test_fake_gated_delta_net_refuses_as_the_cpu_op(gdn, case):
+def test_fake_gated_delta_net_refuses_as_the_cpu_op(build, case):
     a = dict(inputs(), l2_normalize_qk=True, scale=None)
     a.update(GDN_REFUSED[case])
-    assert_fake_refuses_as_cpu(gdn.ops.gated_delta_net, *a.values())
+    assert_fake_refuses_as_cpu(build.ops.gated_delta_net, *a.values())
     if a["state"] is not None:  # the in-place op, on a state in ggml's layout
         a["state"] = a["state"].transpose(-1, -2).contiguous().transpose(-1, -2) if a["state"].dim() == 4 else a["state"]
-        assert_fake_refuses_as_cpu(gdn.ops.gated_delta_net_, *a.values())
+        assert_fake_refuses_as_cpu(build.ops.gated_delta_net_, *a.values())
 
 
-def test_fake_gated_delta_net_inplace_needs_ggml_layout(gdn):
+def test_fake_gated_delta_net_inplace_needs_ggml_layout(build):
     a = dict(inputs(), l2_normalize_qk=True, scale=None)  # a contiguous (transformers') state
-    assert_fake_refuses_as_cpu(gdn.ops.gated_delta_net_, *a.values())
+    assert_fake_refuses_as_cpu(build.ops.gated_delta_net_, *a.values())
 
 
 CONV_REFUSED = {  # overrides of a good call: x (1, 8, 5), weight (8, 1, 4), state (1, 8, 4)
@@ -280,17 +281,17 @@ CONV_REFUSED = {  # overrides of a good call: x (1, 8, 5), weight (8, 1, 4), sta
 
 
 @pytest.mark.parametrize("case", CONV_REFUSED)
-def test_fake_causal_conv1d_refuses_as_the_cpu_op(gdn, case):
+def test_fake_causal_conv1d_refuses_as_the_cpu_op(build, case):
     a = dict(x=torch.randn(1, 8, 5), weight=torch.randn(8, 1, 4), state=torch.randn(1, 8, 4), bias=None, activation="silu")
     a.update(CONV_REFUSED[case])
-    assert_fake_refuses_as_cpu(gdn.ops.causal_conv1d, *a.values())
+    assert_fake_refuses_as_cpu(build.ops.causal_conv1d, *a.values())
     if a["state"] is not None:
-        assert_fake_refuses_as_cpu(gdn.ops.causal_conv1d_, *a.values())
+        assert_fake_refuses_as_cpu(build.ops.causal_conv1d_, *a.values())
 
 
-def test_fake_causal_conv1d_inplace_state_dtype(gdn):
+def test_fake_causal_conv1d_inplace_state_dtype(build):
     x, w = torch.randn(1, 8, 1, dtype=torch.bfloat16), torch.randn(8, 1, 4)
-    assert_fake_refuses_as_cpu(gdn.ops.causal_conv1d_, x, w, torch.zeros(1, 8, 4, dtype=torch.float16), None, "silu")
+    assert_fake_refuses_as_cpu(build.ops.causal_conv1d_, x, w, torch.zeros(1, 8, 4, dtype=torch.float16), None, "silu")
 
 
 SMALL_OPS_REFUSED = {
@@ -313,18 +314,18 @@ SMALL_OPS_REFUSED = {
 
 
 @pytest.mark.parametrize("case", SMALL_OPS_REFUSED)
-def test_fake_small_ops_refuse_as_the_cpu_op(gdn, case):
+def test_fake_small_ops_refuse_as_the_cpu_op(build, case):
     op, *args = SMALL_OPS_REFUSED[case]
-    assert_fake_refuses_as_cpu(getattr(gdn.ops, op), *args)
+    assert_fake_refuses_as_cpu(getattr(build.ops, op), *args)
 
 
-def test_fake_accepts_what_the_cpu_op_accepts(gdn):
+def test_fake_accepts_what_the_cpu_op_accepts(build):
     a = {name: on_meta(x) for name, x in inputs().items()}
-    out, state = gdn.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=0.3)
-    gdn.gated_delta_net_(a["q"], a["k"], a["v"], a["g"], a["beta"], state, scale=0.3)
+    out, state = build.gated_delta_net(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], scale=0.3)
+    build.gated_delta_net_(a["q"], a["k"], a["v"], a["g"], a["beta"], state, scale=0.3)
     x, w = on_meta(torch.randn(1, 8, 5)), on_meta(torch.randn(8, 4))
-    gdn.causal_conv1d(x, w, on_meta(torch.randn(1, 8, 3)), bias=on_meta(torch.randn(8)), activation=None)
-    gdn.causal_conv1d_(x, w, on_meta(torch.randn(1, 8, 9)), activation="swish")
-    gdn.gates(on_meta(torch.randn(4)), on_meta(torch.randn(2, 3, 4)), on_meta(torch.randn(4)), on_meta(torch.randn(2, 3, 4)))
-    gdn.gated_rms_norm(x, x, on_meta(torch.ones(5)))
-    assert gdn.l2_norm(x).is_meta
+    build.causal_conv1d(x, w, on_meta(torch.randn(1, 8, 3)), bias=on_meta(torch.randn(8)), activation=None)
+    build.causal_conv1d_(x, w, on_meta(torch.randn(1, 8, 9)), activation="swish")
+    build.gates(on_meta(torch.randn(4)), on_meta(torch.randn(2, 3, 4)), on_meta(torch.randn(4)), on_meta(torch.randn(2, 3, 4)))
+    build.gated_rms_norm(x, x, on_meta(torch.ones(5)))
+    assert build.l2_norm(x).is_meta

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from tools.testing import builds
 from tools.testing.kernel_testing import load_kernel
 
 
@@ -8,6 +9,14 @@ from tools.testing.kernel_testing import load_kernel
 def gn():
     """The ggml-norm build, loaded through kernels.get_kernel as transformers loads it."""
     return load_kernel("ggml-org/ggml-norm")
+
+
+# Each build kind of the package (tools/testing/builds.py), the kind as the test id (`-k mps-emu`):
+# `build` every kind (cpu, metal-emu, mps-emu) for tests whose API and tolerances hold on each,
+# `metal` each Metal kind, `metal_emu` the emulated build alone (its instrumentation).
+build = builds.each_build("build", "ggml-norm")
+metal = builds.each_build("metal", "ggml-norm", builds.METAL_KINDS)
+metal_emu = builds.each_build("metal_emu", "ggml-norm", ("metal-emu",))
 
 
 _INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
