@@ -310,7 +310,7 @@ def _route_cpu_reads_through_kernels(patches: PatchSet, quant) -> None:
         def unpack_matmul(self, flat: torch.Tensor) -> torch.Tensor:
             if self.weight.device.type != "cpu":
                 return original_unpack(self, flat)
-            if _dense_prefill_module.applies(self.ggml_type, flat.shape[0]):
+            if _dense_prefill_module.applies(quant, self.ggml_type, flat.shape[0]):
                 out = _dense_prefill_module.matmul(quant, self.weight, flat, self.ggml_type, self.out_features)
             else:
                 out = quant.mul_mat(self.weight, flat, self.ggml_type, self.out_features)

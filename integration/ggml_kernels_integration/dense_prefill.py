@@ -70,9 +70,10 @@ def set_enabled(on: bool) -> None:
     _state["enabled"] = bool(on)
 
 
-def applies(ggml_type: int, rows: int) -> bool:
-    """Whether a product of `rows` activation rows with a `ggml_type` weight takes this path."""
-    min_rows = MIN_ROWS.get(repacking.base_type(ggml_type))
+def applies(quant, ggml_type: int, rows: int) -> bool:
+    """Whether a product of `rows` activation rows with a `ggml_type` weight (a type id of
+    ggml-quantization, `quant`, repacked or not) takes this path."""
+    min_rows = MIN_ROWS.get(repacking.base_type(quant, ggml_type))
     return min_rows is not None and rows >= min_rows and _state["enabled"] and native_bf16()
 
 

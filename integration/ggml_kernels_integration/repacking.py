@@ -4,7 +4,8 @@ ggml-cpu has tiled gemm kernels for Q4_0, Q4_K, IQ4_NL and MXFP4 weights (x86 wi
 AVX-512) that read 8 weight rows interleaved block by block. With the weight in that layout a
 product with 2-47 activation rows (a short prompt, the first token of a chat turn) runs those
 kernels: 1.2-1.6x ggml's plain kernels on Q4_K, 2-4x on Q4_0 (ggml-quantization's README). ggml-quantization's `repack`
-makes the layout and every op of the package takes it (type id + `REPACKED`); longer products
+makes the layout and every op of the package takes it (type id + the package's `REPACKED`, read from
+the loaded package: one source); longer products
 unpack each slice to the plain layout first, decode steps run ggml's repacked gemv.
 
 `install(model, quant)` (after a GGUF load, when `enable(repack_weights=True)`) repacks every
@@ -21,7 +22,6 @@ from collections import Counter
 
 import torch
 
-REPACKED = 1024  # ggml-quantization's REPACKED (integration/tests/test_integration_repacking.py checks)
 REPACK_ROWS = 8
 # Weights smaller than this stay in the GGUF layout: their products are too short for the gemm to
 # win anything, and a repacked product costs a few microseconds more to set up (a Qwen3.5 decode
@@ -31,9 +31,14 @@ MIN_REPACK_BYTES = 1 << 20
 _repacked: weakref.WeakSet = weakref.WeakSet()  # modules holding a repacked weight now
 
 
-def base_type(ggml_type: int) -> int:
+def is_repacked(quant, ggml_type: int) -> bool:
+    """Whether a type id of ggml-quantization (`quant`) is a weight in the repacked layout."""
+    return ggml_type >= quant.REPACKED
+
+
+def base_type(quant, ggml_type: int) -> int:
     """The GGUF type of a type id, repacked or not."""
-    return ggml_type - REPACKED if ggml_type >= REPACKED else ggml_type
+    return ggml_type - quant.REPACKED if is_repacked(quant, ggml_type) else ggml_type
 
 
 def _shared_parameters(model) -> set[int]:
@@ -75,8 +80,8 @@ def unpack_all(quant) -> int:
     own code reads only that one); returns how many."""
     done = 0
     for module in list(_repacked):
-        if module.ggml_type >= REPACKED:
-            plain_type = base_type(module.ggml_type)
+        if is_repacked(quant, module.ggml_type):
+            plain_type = base_type(quant, module.ggml_type)
             with torch.no_grad():
                 module.weight.data = quant.unrepack(module.weight.data, plain_type)
             module.ggml_type = plain_type
@@ -86,17 +91,17 @@ def unpack_all(quant) -> int:
 
 
 def _keep_gguf_bytes_in_state_dict(module, quant) -> None:
-    plain_type = base_type(module.ggml_type)
+    plain_type = base_type(quant, module.ggml_type)
 
     def unpack(mod, state_dict, prefix, local_metadata):
         key = prefix + "weight"
-        if key in state_dict and mod.ggml_type >= REPACKED:
+        if key in state_dict and is_repacked(quant, mod.ggml_type):
             state_dict[key] = quant.unrepack(state_dict[key], plain_type)
         return state_dict
 
     def repack(mod, state_dict, prefix, *args):
         key = prefix + "weight"
-        if key in state_dict and mod.ggml_type >= REPACKED:
+        if key in state_dict and is_repacked(quant, mod.ggml_type):
             state_dict[key] = quant.repack(state_dict[key].contiguous(), plain_type)
 
     module._register_state_dict_hook(unpack)

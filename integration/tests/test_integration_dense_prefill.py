@@ -91,18 +91,19 @@ def test_bfloat16_activations(quant):
     torch.testing.assert_close(got, F.linear(x, w.bfloat16()).float(), rtol=0, atol=0)
 
 
-def test_where_it_applies(restore_state, monkeypatch):
+def test_where_it_applies(quant, restore_state, monkeypatch):
     monkeypatch.setattr(dense_prefill, "native_bf16", lambda: True)
     dense_prefill.set_enabled(True)
-    assert dense_prefill.applies(BLOCK_32["Q4_1"], 32) and not dense_prefill.applies(BLOCK_32["Q4_1"], 31)
-    assert dense_prefill.applies(BLOCK_32["Q8_0"], 64) and not dense_prefill.applies(BLOCK_32["Q8_0"], 63)
+    assert dense_prefill.applies(quant, BLOCK_32["Q4_1"], 32) and not dense_prefill.applies(quant, BLOCK_32["Q4_1"], 31)
+    assert dense_prefill.applies(quant, BLOCK_32["Q8_0"], 64) and not dense_prefill.applies(quant, BLOCK_32["Q8_0"], 63)
+    assert dense_prefill.applies(quant, quant.repacked_type("Q4_0"), 32)  # a repacked weight: by its GGUF type
     for k_quant in (10, 11, 12, 13, 14):  # Q2_K .. Q6_K: ggml's own products are as fast
-        assert not dense_prefill.applies(k_quant, 512)
+        assert not dense_prefill.applies(quant, k_quant, 512)
     dense_prefill.set_enabled(False)
-    assert not dense_prefill.applies(BLOCK_32["Q4_1"], 512)
+    assert not dense_prefill.applies(quant, BLOCK_32["Q4_1"], 512)
     dense_prefill.set_enabled(True)
     monkeypatch.setattr(dense_prefill, "native_bf16", lambda: False)  # emulated bfloat16: slower than ggml
-    assert not dense_prefill.applies(BLOCK_32["Q4_1"], 512)
+    assert not dense_prefill.applies(quant, BLOCK_32["Q4_1"], 512)
 
 
 def test_native_bf16_reads_the_cpu_flags():
@@ -120,7 +121,7 @@ def test_enable_switches_it():
     proc = fresh_process(
         "import ggml_kernels_integration as gk\n"
         "from ggml_kernels_integration import dense_prefill as d\n"
-        "gk.enable(dense_prefill=False); off = d.applies(3, 512) or d._state['enabled']\n"
+        "gk.enable(dense_prefill=False); off = d._state['enabled']\n"
         "gk.enable(); on = d._state['enabled']\n"
         "print('RESULT', off, on)\n"
     )

@@ -57,8 +57,9 @@ class Tiny(nn.Module):
         self.embed.weight = self.tied.weight  # a tied embedding reads it with get_rows
 
 
-def test_constants_match_the_package(quant):
-    assert repacking.REPACKED == quant.REPACKED
+def test_repacked_ids_are_the_packages(quant):
+    assert repacking.is_repacked(quant, quant.repacked_type("Q4_K")) and not repacking.is_repacked(quant, 12)
+    assert repacking.base_type(quant, quant.repacked_type("Q4_K")) == repacking.base_type(quant, 12) == 12
 
 
 def test_small_weights_stay_plain(quant):
@@ -108,15 +109,17 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 from tools.models import make_gguf
+from tools.testing.kernel_testing import load_kernel
 import ggml_kernels_integration as gk
 
+quant = load_kernel("ggml-org/ggml-quantization")
 path = make_gguf.ensure("qwen35-tiny", "Q4_K_M")
 gk.repacking.MIN_REPACK_BYTES = 0  # the tiny model's weights are all small
 gk.enable()
 plain = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 gk.enable(repack_weights=True)
 packed = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-repacked = sum(1 for m in packed.modules() if getattr(m, "ggml_type", 0) >= gk.repacking.REPACKED)
+repacked = sum(1 for m in packed.modules() if gk.repacking.is_repacked(quant, getattr(m, "ggml_type", 0)))
 ids = torch.tensor([[5, 17, 3, 99, 250, 7, 31, 64, 12, 8, 200, 1]])
 res = {"repacked": repacked}
 with torch.inference_mode():
