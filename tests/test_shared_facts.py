@@ -6,11 +6,11 @@
   C++ check (kStorageTypes in common/ggml_torch.cpp and its error message) holds the same ids, the
   built op refuses exactly the others, and the names and ids are ggml's own (ggml.h of the pin).
 - Build variant names: tools/build/build.py torch_variant(); the integration (installable without
-  this checkout, so it keeps its own) agrees.
+  this checkout, so it keeps its own, locate.cpu_variant()) agrees.
 - Hub ids: each package's build.toml; every Hub id written in the repo's Python is one of them, and
   the integration knows all of them.
-- A CPU build on a CUDA torch needs backend="cpu": kernel_testing.backend_kwargs() for tests, the
-  integration's own for users; they agree.
+- A CPU build on a CUDA torch needs backend="cpu": the integration's locate.backend_kwargs() is the
+  one rule (kernel_testing.backend_kwargs() takes it from the integration's file).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from tools import REPO
 from tools.build import ggml_runtime, upstream
 from tools.build.build import torch_variant
-from tools.testing.kernel_testing import backend_kwargs, hub_ids, load_kernel
+from tools.testing.kernel_testing import hub_ids, integration_locate, load_kernel
 
 TYPES_PY = REPO / "packages/ggml-quantization/torch-ext/ggml_quantization/types.py"
 
@@ -92,13 +92,7 @@ def test_type_names_and_ids_are_ggmls():
 
 
 def test_variant_name_matches_the_integration():
-    locate = pytest.importorskip("ggml_kernels_integration.locate")
-    assert locate.cpu_variant() == torch_variant()
-
-
-def test_backend_rule_matches_the_integration():
-    locate = pytest.importorskip("ggml_kernels_integration.locate")
-    assert locate.backend_kwargs() == backend_kwargs()
+    assert integration_locate().cpu_variant() == torch_variant()
 
 
 def test_hub_ids_come_from_build_toml():
@@ -109,5 +103,4 @@ def test_hub_ids_come_from_build_toml():
                if "build" not in p.relative_to(REPO).parts]
     written = {(m.group(1), str(p.relative_to(REPO))) for p in sources for m in pattern.finditer(p.read_text())}
     assert not {(repo_id, path) for repo_id, path in written if repo_id not in known}
-    locate = pytest.importorskip("ggml_kernels_integration.locate")
-    assert set(locate.HUB_IDS) == known
+    assert set(integration_locate().HUB_IDS) == known

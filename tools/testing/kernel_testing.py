@@ -3,7 +3,10 @@ with LOCAL_KERNELS pointing each Hub id at packages/<name> (kernels then looks i
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -29,11 +32,22 @@ def point_hub_ids_at_local_builds() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def backend_kwargs() -> dict:
-    """Our builds are CPU builds; on a CUDA build of torch, kernels must be told to take them."""
-    import torch
+@functools.cache
+def integration_locate():
+    """The integration's `locate` module, read from this checkout's file (tests need not install the
+    integration for it): the one source of the rule below and of the CPU variant name for users."""
+    path = REPO / "integration" / "ggml_kernels_integration" / "locate.py"
+    spec = importlib.util.spec_from_file_location("_ggml_kernels_integration_locate", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
+    spec.loader.exec_module(module)
+    return module
 
-    return {"backend": "cpu"} if torch.version.cuda else {}
+
+def backend_kwargs() -> dict:
+    """Our builds are CPU builds; on a CUDA build of torch, kernels must be told to take them (the
+    integration's rule, `locate.backend_kwargs`)."""
+    return integration_locate().backend_kwargs()
 
 
 def load_kernel(repo_id: str):
