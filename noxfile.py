@@ -21,7 +21,9 @@ Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle w
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 import nox
@@ -32,10 +34,26 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
+
+def _project(pyproject: str) -> dict:
+    with open(REPO / pyproject, "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+
+
+# Each dependency is stated once: what the integration needs to run (transformers, kernels, gguf, ...,
+# pinned) in integration/pyproject.toml, what building and testing need beside it in pyproject.toml.
+INTEGRATION_DEPS = _project("integration/pyproject.toml")["dependencies"]
+EXTRAS = _project("pyproject.toml")["optional-dependencies"]
 TORCH = ["2.13.0", "2.14.1", "2.15.0"]
-TRANSFORMERS = ["5.22.2", "5.23.0"]  # supported, and the newest on the index
-BUILD_DEPS = ["ninja", "kernel-abi-check==0.14.1"]
-TEST_DEPS = ["pytest", "pytest-benchmark", "numpy", "gguf==0.19.0", "kernels==0.17.2", "accelerate", "tabulate"]
+SUPPORTED_TRANSFORMERS = next(d for d in INTEGRATION_DEPS if _name(d) == "transformers").split("==")[1]
+TRANSFORMERS = [SUPPORTED_TRANSFORMERS, "5.23.0"]  # supported, and the newest on the index
+BUILD_DEPS = EXTRAS["build"]
+# torch and transformers: each session pins its own
+TEST_DEPS = EXTRAS["test"] + [d for d in INTEGRATION_DEPS if _name(d) not in ("torch", "transformers")]
 # llama-cpp-python's own runtime needs (installed without its heavier optional extras).
 LLAMA_CPP_DEPS = ["numpy", "typing-extensions", "diskcache", "jinja2"]
 
