@@ -94,10 +94,12 @@ def test_the_layer_on_the_twin_gives_the_emulated_devices_bits(drivers, case):
 
 
 def test_an_upload_into_a_private_buffer_is_refused_not_a_crash(drivers):
+    """An MPS tensor's buffer (private storage) refuses it; a buffer of the layer's own (ggml's
+    buffer type, shared storage) takes it and gives the bytes back."""
     twin, _ = drivers
     res = subprocess.run([str(twin), "private_upload"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("REFUSED: ") and "private storage" in res.stdout, res.stdout
+    assert res.stdout.startswith("OWN ROUND TRIP\nREFUSED: ") and "private storage" in res.stdout, res.stdout
 
 
 def _place(src: Path, dest: Path) -> None:

@@ -98,21 +98,35 @@ void run(ggml_backend_t backend, ggml_cgraph* graph, Case& c) {
   for (MTL::Buffer* mtl : wrapped) mtl->release();
 }
 
-// A buffer of the layer's own (private storage, as ggml's default buffer type makes on this
-// device) has no host memory: an upload is refused with an exception, not a crash.
+// A wrapped buffer in private storage (an MPS tensor's) has no host memory: an upload is refused
+// with an exception, not a crash. A buffer of the layer's own (ggml's default buffer type, shared
+// storage) takes it and gives it back.
 int private_upload(ggml_backend_t backend, ggml_context* ctx) {
-  ggml_backend_buffer_t buffer =
+  std::vector<float> memory(16, 0.0f);
+  MTL::Buffer* mtl = fake_metal::wrap_host_memory(memory.data(), sizeof(float) * memory.size());
+  ggml_backend_buffer_t wrapped = ggml_backend_dev_buffer_from_host_ptr(
+      ggml_backend_get_device(backend), mtl, sizeof(float) * memory.size(),
+      sizeof(float) * memory.size());
+  ggml_backend_buffer_t own =
       ggml_backend_buft_alloc_buffer(ggml_backend_get_default_buffer_type(backend), 4096);
   ggml_tensor* t = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 16);
-  ggml_backend_tensor_alloc(buffer, t, ggml_backend_buffer_get_base(buffer));
-  const std::vector<float> values(16, 1.0f);
+  ggml_tensor* u = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 16);
+  ggml_backend_tensor_alloc(wrapped, t, ggml_backend_buffer_get_base(wrapped));
+  ggml_backend_tensor_alloc(own, u, ggml_backend_buffer_get_base(own));
+  const std::vector<float> values(16, 1.5f);
+  std::vector<float> back(16, 0.0f);
+  ggml_backend_tensor_set(u, values.data(), 0, ggml_nbytes(u));
+  ggml_backend_tensor_get(u, back.data(), 0, ggml_nbytes(u));
+  std::printf("%s\n", back == values ? "OWN ROUND TRIP" : "OWN ROUND TRIP DIFFERS");
   try {
     ggml_backend_tensor_set(t, values.data(), 0, ggml_nbytes(t));
     std::printf("NOT REFUSED\n");
   } catch (const std::exception& e) {
     std::printf("REFUSED: %s\n", e.what());
   }
-  ggml_backend_buffer_free(buffer);
+  ggml_backend_buffer_free(own);
+  ggml_backend_buffer_free(wrapped);
+  mtl->release();
   return 0;
 }
 #else

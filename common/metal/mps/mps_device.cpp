@@ -203,7 +203,8 @@ void set_constant(ggml_metal_cv_t cv, int32_t idx, Constant::Kind kind, int32_t 
 }
 
 // Host memory of a buffer's bytes [addr, addr + size) when its storage is shared, after the work
-// queued on the stream is done; private storage has none (torch copies MPS tensors itself).
+// queued on the stream is done; private storage (an MPS tensor's, wrapped) has none: torch copies
+// its own tensors.
 uint8_t* host_bytes(ggml_metal_buffer* buf, uintptr_t addr, size_t size) {
   if (addr < buf->base || addr - buf->base + size > buf->size)
     fail("ggml-kernels MPS: an access outside its Metal buffer");
@@ -447,12 +448,13 @@ struct ggml_metal_fusion_info* ggml_metal_device_get_fusion_info(ggml_metal_devi
 
 // ---- buffers ----
 
-// A buffer of this layer's own, in private storage (the packages' MPS backend takes its memory from
-// torch's allocator instead, through ggml_metal_buffer_map).
+// A buffer of this layer's own (ggml's buffer type; the packages' MPS backend takes its memory from
+// torch's allocator instead, through ggml_metal_buffer_map), in shared storage, as upstream makes
+// them on a unified-memory Mac: uploads and read-backs (ggml_backend_tensor_set / get, which
+// test-backend-ops relies on) are copies through its host memory after the stream's work is done.
 ggml_metal_buffer_t ggml_metal_buffer_init(ggml_metal_device_t dev, size_t size, bool) {
   if (size >= kSlotBytes) return nullptr;
-  MTL::Buffer* mtl =
-      dev->mtl->newBuffer(std::max<size_t>(size, 1), MTL::ResourceStorageModePrivate);
+  MTL::Buffer* mtl = dev->mtl->newBuffer(std::max<size_t>(size, 1), MTL::ResourceStorageModeShared);
   if (mtl == nullptr) return nullptr;
   auto* buf = new ggml_metal_buffer();
   buf->mtl = mtl;

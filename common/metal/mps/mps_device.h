@@ -9,7 +9,8 @@
 //     torch commits it, so ggml's work is ordered with torch's on the same stream;
 //   - buffers are the MPS tensors' own Metal buffers, wrapped without a copy at a virtual address
 //     range of their own (ggml_metal_buffer_map with an MTL::Buffer*; see mps_device.cpp), or
-//     buffers this layer allocates (ggml_metal_buffer_init, private storage);
+//     buffers this layer allocates (ggml_metal_buffer_init, shared storage: what ggml's own buffer
+//     type gives, which llama.cpp's test-backend-ops fills and reads back through the host);
 //   - pipelines come from upstream's .metal source embedded at build time (metal_source.h),
 //     compiled at the first use of a kernel one upstream file at a time, cached by name with their
 //     function constants;

@@ -5,6 +5,7 @@
 #include <dispatch/dispatch.h>
 
 #include <Metal/Metal.hpp>
+#include <exception>
 
 #include "fake_mps.h"
 #include "fake_mps_stream.h"
@@ -25,6 +26,20 @@ struct Encoding {
   }
 };
 
+struct Synchronizing {
+  at::mps::MPSStream* stream;
+  std::exception_ptr error;
+
+  static void run(void* self) {
+    auto* s = static_cast<Synchronizing*>(self);
+    try {
+      s->stream->synchronize(at::mps::SyncType::COMMIT_AND_WAIT);
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+  }
+};
+
 }  // namespace
 
 MTL::Device* device() {
@@ -36,8 +51,13 @@ void encode(void (*body)(MTL::ComputeCommandEncoder*, void*), void* context) {
   dispatch_sync_f(e.stream->queue(), &e, &Encoding::run);
 }
 
+// On the stream's queue, as torch's own copies commit: a commit from one host thread while another
+// encodes on the queue would end the encoder under it (ggml backends on several threads share the
+// one stream). An exception is carried out of the queue's frames and rethrown here.
 void synchronize() {
-  at::mps::getCurrentMPSStream()->synchronize(at::mps::SyncType::COMMIT_AND_WAIT);
+  Synchronizing s{at::mps::getCurrentMPSStream(), nullptr};
+  dispatch_sync_f(s.stream->queue(), &s, &Synchronizing::run);
+  if (s.error) std::rethrow_exception(s.error);
 }
 
 // The twin's "MPS tensors" are CPU tensors: their storage, wrapped once as a private buffer.
