@@ -11,7 +11,7 @@
     nox -s bench -- --check           # ours against ggml's own op: non-zero below 0.95x on a product or norm
     nox -s demo                       # the main job (README)
     nox -s bench-e2e                  # whole models: ours vs transformers vs llama.cpp (-- --quick)
-    nox -s upstream-ops               # llama.cpp's test-backend-ops on the emulated Metal device (-- --full)
+    nox -s upstream-ops               # llama.cpp's test-backend-ops on the emulated Metal device and the MPS twin
     nox -s mac                        # on an Apple-silicon Mac (macOS 26): what only a Mac can check (tools/mac.py)
 
 Virtualenvs are reused between runs; the ggml runtime and the llama.cpp oracle wheel are cached in
@@ -269,8 +269,9 @@ def bench(session: nox.Session) -> None:
 @nox.session(name="upstream-ops")
 def upstream_ops(session: nox.Session) -> None:
     """llama.cpp's own op suite, test-backend-ops from the pinned sources, on the emulated Metal device
-    (tools/build/upstream_ops.py, docs/metal.md): the CI filter set, a summary per op, failing on any
-    failure. -- --full: every case (hours); -- -o OPS -p REGEX: a selection; --device: the device library."""
+    and on the MPS twin (tools/build/upstream_ops.py, docs/metal.md): the CI filter set, a summary per
+    op and one verdict line per device, failing on any failure. -- --full: every case (hours);
+    -- -o OPS -p REGEX: a selection; --device metal-emu|mps-emu: one device library."""
     _install(session, TORCH[0])
     session.run("python", "-m", "tools.build.upstream_ops", *session.posargs, env=_env(session))
 

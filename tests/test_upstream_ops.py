@@ -1,8 +1,9 @@
-"""tools/build/upstream_ops.py: llama.cpp's test-backend-ops against the emulated Metal device.
+"""tools/build/upstream_ops.py: llama.cpp's test-backend-ops against the emulated Metal device and
+the MPS twin.
 
 The fast tests hold its pure parts (filters, devices, the ninja file, reading the suite's output,
-the exit status) against canned output and a stand-in executable; the slow one builds the real
-executable and runs one op family of the CI filter set on the emulated device."""
+the verdict per device, the exit status) against canned output and a stand-in executable; the slow
+ones build the real executables and run one op family of the CI filter set on each device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tools.build import metal_runtime, sanitize, upstream_ops
+from tools.build import metal_runtime, mps_runtime, sanitize, upstream_ops
 
 GREEN_OK = "\x1b[1;32mOK\x1b[0m"
 RED_FAIL = "\x1b[1;31mFAIL\x1b[0m"
@@ -118,12 +119,16 @@ def test_ci_filters_cover_the_op_families_the_packages_run_on_metal():
     assert all(f.params is None or f.params.strip() for f in upstream_ops.CI_FILTERS.values())
 
 
-def test_devices():
+def test_devices(monkeypatch):
     assert upstream_ops.device("metal-emu").library == metal_runtime.LIBRARY
-    with pytest.raises(NotImplementedError, match="mps-emu.*does not exist yet"):
-        upstream_ops.device("mps-emu")
+    assert upstream_ops.device("mps-emu").library == mps_runtime.TWIN_RUNTIME
+    assert upstream_ops.DEFAULT_DEVICES == ("metal-emu", "mps-emu")
     with pytest.raises(ValueError, match="unknown device 'cuda'"):
         upstream_ops.device("cuda")
+    unbuilt = upstream_ops.Device("later", None, "MTL0", (), missing="its library does not exist yet")
+    monkeypatch.setitem(upstream_ops.DEVICES, "later", unbuilt)
+    with pytest.raises(NotImplementedError, match="device 'later' cannot run test-backend-ops: its library does not"):
+        upstream_ops.device("later")
 
 
 def test_ninja_file_links_the_device_library_and_no_second_ggml_base(tmp_path):
@@ -186,15 +191,40 @@ def test_main_exits_non_zero_on_failure(tmp_path, monkeypatch, capsys, returncod
     out = CANNED if returncode else PASSING
     exe = fake_suite(tmp_path, out, returncode)
     monkeypatch.setattr(upstream_ops, "build", lambda name: exe)
-    assert upstream_ops.main(["-o", "MUL_MAT", "-j", "1"]) == exit_status
+    assert upstream_ops.main(["-o", "MUL_MAT", "-j", "1", "--device", "metal-emu"]) == exit_status
     printed = capsys.readouterr().out
     assert "| op | passed | failed | not supported |" in printed
     assert ("FAILED MUL_MAT(" in printed) == bool(returncode)
+    assert printed.strip().splitlines()[-1].startswith(f"upstream-ops metal-emu: {'failed' if returncode else 'passed'} (")
+
+
+def test_main_runs_every_device_with_a_verdict_line_each(tmp_path, monkeypatch, capsys):
+    """Every device runs, a failing one first: one verdict line each, in order, last; exit 1."""
+    failing, passing = tmp_path / "a", tmp_path / "b"
+    failing.mkdir(), passing.mkdir()
+    exes = {"metal-emu": fake_suite(failing, CANNED, 1), "mps-emu": fake_suite(passing, PASSING, 0)}
+    built = []
+    monkeypatch.setattr(upstream_ops, "build", lambda name: built.append(name) or exes[name])
+    assert upstream_ops.main(["-o", "MUL_MAT", "-j", "1"]) == 1
+    assert built == ["metal-emu", "mps-emu"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "### metal-emu" in lines and "### mps-emu" in lines
+    assert lines[-2].startswith("upstream-ops metal-emu: failed (") and lines[-1].startswith("upstream-ops mps-emu: passed (")
+
+
+def test_verdict_line():
+    summary = upstream_ops.parse(PASSING)
+    summary.seconds, summary.cpu_seconds = 61.4, 20.2
+    passed, unsupported = summary.count("passed"), summary.count("unsupported")
+    assert upstream_ops.verdict("mps-emu", summary) == (f"upstream-ops mps-emu: passed ({passed} passed, 0 failed, "
+                                                        f"{unsupported} not supported, 0 errors; 61 s, 20 s of CPU)")
+    crashed = upstream_ops.parse("", returncode=-6, label="mul_mat")
+    assert upstream_ops.verdict("mps-emu", crashed).startswith("upstream-ops mps-emu: failed (0 passed, 0 failed, "
+                                                                "0 not supported, 1 errors;")
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--full", "-o", "MUL_MAT"], "--full runs every case"),
-    (["--device", "mps-emu"], "does not exist yet"),
     (["--device", "cuda"], "invalid choice"),
     (["-j", "0"], "-j must be at least 1"),
     (["-p", "ne=[1"], "is not a regular expression"),
@@ -220,5 +250,16 @@ def test_one_ci_family_end_to_end_on_the_emulated_device():
     built = exe.stat().st_mtime_ns
     assert upstream_ops.build("metal-emu") == exe and exe.stat().st_mtime_ns == built
     summary = upstream_ops.run(exe, "MTL0", {"ssm_conv": upstream_ops.CI_FILTERS["ssm_conv"]}, workers=1, verbose=False)
+    assert summary.ok, upstream_ops.format_summary(summary)
+    assert set(summary.ops) == {"SSM_CONV"} and summary.ops["SSM_CONV"].passed >= 10
+
+
+@pytest.mark.slow
+def test_one_ci_family_end_to_end_on_the_mps_twin():
+    """test-backend-ops over the twin's runtime (the MPS device layer on the fake Metal framework),
+    two workers: backends on two host threads share the one MPS stream."""
+    exe = upstream_ops.build("mps-emu")
+    assert exe.parent.name == "mps-emu" and exe.parent.parent == upstream_ops.build_dir()
+    summary = upstream_ops.run(exe, "MTL0", {"ssm_conv": upstream_ops.CI_FILTERS["ssm_conv"]}, workers=2, verbose=False)
     assert summary.ok, upstream_ops.format_summary(summary)
     assert set(summary.ops) == {"SSM_CONV"} and summary.ops["SSM_CONV"].passed >= 10

@@ -8,14 +8,16 @@ upstream's `ggml-backend-reg.cpp` built with GGML_USE_CPU and GGML_USE_METAL: on
 process, the device library's. Built with ninja into <runtime>/upstream-ops/, so a second run
 compiles nothing.
 
-    python -m tools.build.upstream_ops                    # the CI filter set (CI_FILTERS)
+    python -m tools.build.upstream_ops                    # the CI filter set (CI_FILTERS) on every device
+    python -m tools.build.upstream_ops --device mps-emu   # on one device (DEVICES)
     python -m tools.build.upstream_ops --full             # every case of the suite (hours)
     python -m tools.build.upstream_ops -o MUL_MAT -p 'type_a=q4_K'   # one selection
     python -m tools.build.upstream_ops --list             # the CI filter set, nothing run
 
-Prints per op the cases passed / failed / not supported and exits 1 on any failure, crash or output
-it does not understand. `--device` names the device library (DEVICES); a second emulated device
-(the MPS twin) plugs in there.
+Prints per op the cases passed / failed / not supported, then one verdict line per device, and exits
+1 on any failure, crash or output it does not understand. The devices (DEVICES): `metal-emu`, the
+emulated device's own runtime, and `mps-emu`, the MPS twin's runtime (the MPS device layer over
+metal-cpp and the fake Metal framework, executing on the same emulated device).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import ggml_runtime, metal_runtime, sanitize, upstream
+from . import ggml_runtime, metal_runtime, mps_runtime, sanitize, upstream
 from . import ninja_build as ninja
 
 TEST_SOURCE = "tests/test-backend-ops.cpp"  # inside llama.cpp's tree
@@ -56,14 +58,17 @@ class Device:
     missing: str = ""  # why it cannot run yet
 
 
+def _twin_runtime_folder() -> Path:
+    return mps_runtime.twin_runtime().parent
+
+
 DEVICES = {
     "metal-emu": Device("metal-emu", metal_runtime.LIBRARY, "MTL0", ("GGML_USE_METAL",), build=ggml_runtime.build),
-    # the MPS twin: upstream's host code over a metal-cpp device layer on the fake Metal framework
-    # (tools/build/mps_runtime.py builds the framework); once a library of it holds ggml-base and
-    # upstream's Metal backend, its file name and builder go here and nothing else changes
-    "mps-emu": Device("mps-emu", None, "MTL0", ("GGML_USE_METAL",),
-                      missing="the MPS twin's device library does not exist yet"),
+    # the MPS twin: ggml-base and upstream's host code over the MPS device layer on the fake Metal
+    # framework (tools/build/mps_runtime.py), which runs each dispatch on the emulated device
+    "mps-emu": Device("mps-emu", mps_runtime.TWIN_RUNTIME, "MTL0", ("GGML_USE_METAL",), build=_twin_runtime_folder),
 }
+DEFAULT_DEVICES = ("metal-emu", "mps-emu")
 
 
 def device(name: str) -> Device:
@@ -143,6 +148,8 @@ def test_source() -> Path:
 
 
 def build_dir(runtime: Path | None = None) -> Path:
+    """One folder for every device (ggml-cpu and the test compiled once), each device's executable in
+    a folder of its own."""
     return (runtime or ggml_runtime.runtime_dir()) / "upstream-ops"
 
 
@@ -194,7 +201,7 @@ def build(device_name: str = "metal-emu", jobs: int | None = None) -> Path:
     """Builds the device library (the runtime) and test-backend-ops linked to it; returns the executable."""
     dev = device(device_name)
     runtime = dev.build()
-    out = build_dir(runtime)
+    out = build_dir()
     exe = write_ninja(out, runtime, upstream.ggml_tree(), test_source(), dev)
     ninja.run(out, jobs or os.cpu_count())
     return exe
@@ -304,6 +311,13 @@ def _check_totals(summary: Summary, totals: list, returncode: int, label: str, l
         summary.problems.append(f"{label}: test-backend-ops failed (status 1) with no failing case in its output")
 
 
+def verdict(device_name: str, summary: Summary) -> str:
+    """The one line .ci/run shows for a device's run."""
+    return (f"upstream-ops {device_name}: {'passed' if summary.ok else 'failed'} ({summary.count('passed')} passed, "
+            f"{summary.count('failed')} failed, {summary.count('unsupported')} not supported, {len(summary.problems)} "
+            f"errors; {summary.seconds:.0f} s, {summary.cpu_seconds:.0f} s of CPU)")
+
+
 def format_summary(summary: Summary) -> str:
     rows = [f"| {op} | {c.passed} | {c.failed} | {c.unsupported} |" for op, c in sorted(summary.ops.items())]
     total = (f"| **total** | {summary.count('passed')} | {summary.count('failed')} | "
@@ -374,7 +388,8 @@ def _check_regex(flag: str, pattern: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="metal-emu", choices=sorted(DEVICES), help="the device library")
+    ap.add_argument("--device", dest="devices", action="append", choices=sorted(DEVICES),
+                    help=f"a device library, repeatable (default: {', '.join(DEFAULT_DEVICES)})")
     ap.add_argument("--full", action="store_true", help="every case of the suite (hours on the emulator)")
     ap.add_argument("-o", dest="ops", help="test-backend-ops' -o: op names or regexes, comma separated")
     ap.add_argument("-p", dest="params", help="test-backend-ops' -p: a regex over the cases' parameters")
@@ -386,19 +401,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("-j must be at least 1")
+    names = list(dict.fromkeys(args.devices or DEFAULT_DEVICES))
     try:
         filters = select(args.full, args.ops, args.params)
-        dev = device(args.device)
+        devices = [device(name) for name in names]
     except (ValueError, NotImplementedError) as e:
         ap.error(str(e))
     if args.list:
         for name, flt in filters.items():
             print(name, ninja.quote(flt.args()))
         return 0
-    exe = build(args.device)
-    summary = run(exe, dev.backend, filters, args.workers, fa_vec_slice=not args.no_fa_vec_slice)
-    print(format_summary(summary))
-    return 0 if summary.ok else 1
+    verdicts = []
+    for dev in devices:
+        print(f"[upstream-ops] device {dev.name}", file=sys.stderr, flush=True)
+        summary = run(build(dev.name), dev.backend, filters, args.workers, fa_vec_slice=not args.no_fa_vec_slice)
+        print(f"### {dev.name}\n\n{format_summary(summary)}\n", flush=True)
+        verdicts.append((verdict(dev.name, summary), summary.ok))
+    print("\n".join(line for line, _ in verdicts))
+    return 0 if all(ok for _, ok in verdicts) else 1
 
 
 if __name__ == "__main__":
