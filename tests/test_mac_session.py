@@ -266,3 +266,35 @@ def test_on_device_keeps_shared_storages_shared():
     mps_builds.OnDevice(Demo(), "cpu").add_into(a[:4], a[4:])  # both views of one storage: one copy
     assert Demo.seen[-1][0] == Demo.seen[-1][1] and Demo.seen[0][0] != Demo.seen[0][1]
     assert torch.equal(a, torch.tensor([1.0] * 4 + [0.0] * 4))
+
+
+@pytest.mark.parametrize(("returncode", "stdout", "error"), [
+    (0, "....\n4 passed in 1.0s\n", None),
+    (1, "F.\n1 failed, 1 passed in 1.0s\n", "1 failed, 1 passed"),
+    (5, "\n12 deselected in 0.1s\n", "no test ran with the mps build kind: 12 deselected"),
+])
+def test_tests_step_runs_the_mps_kind_only(monkeypatch, returncode, stdout, error):
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        ran.append((cmd, kwargs["env"]))
+        return subprocess.CompletedProcess(cmd, returncode, stdout, "")
+
+    monkeypatch.setattr(mac.subprocess, "run", fake_run)
+    if error is None:
+        assert mac.tests_step("topk") == "4 passed in 1.0s"
+    else:
+        with pytest.raises(RuntimeError, match=error):
+            mac.tests_step("topk")
+    [(cmd, env)] = ran
+    assert cmd[1:4] == ["-m", "pytest", "packages/topk/tests"] and cmd[cmd.index("-k") + 1] == mac.MPS_TESTS
+    assert env[mps_builds.BUILDS_ENV] == "mps"
+
+
+def test_the_mps_selection_takes_the_mps_kind_and_not_the_twin(tmp_path):
+    (tmp_path / "test_kinds.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('kind', ['cpu', 'metal-emu', 'mps-emu', 'mps'], ids=str)\n"
+        "def test_op(kind):\n    assert kind == 'mps'\n\ndef test_without_kinds():\n    pass\n")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", mac.MPS_TESTS,
+                          str(tmp_path / "test_kinds.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0 and "1 passed, 4 deselected" in res.stdout, res.stdout + res.stderr

@@ -48,6 +48,7 @@ TINY_MODEL = ("qwen35-tiny", "Q4_K_M")  # tools/models/make_gguf.py's config and
 MAX_MEAN_KL = 0.012
 MIN_TOP1 = 0.9
 GREEDY_TOKENS = 16
+MPS_TESTS = "mps and not emu"  # pytest -k: tests whose build-kind id is "mps"
 
 
 @dataclass
@@ -134,7 +135,9 @@ def tests_step(package: str) -> str:
     from tools.testing import mps_builds
 
     env = {**os.environ, mps_builds.BUILDS_ENV: mps_builds.KIND, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "pytest", f"packages/{package}/tests", "-q", "-m", "not slow", "-p", "no:cacheprovider"]
+    # the tests parametrized over build kinds, on this one only (ids "mps", not "mps-emu")
+    cmd = [sys.executable, "-m", "pytest", f"packages/{package}/tests", "-q", "-m", "not slow", "-k", MPS_TESTS,
+           "-p", "no:cacheprovider"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     tail = res.stdout.strip().splitlines()[-1:] or ["(no output)"]
     if res.returncode == 5:
