@@ -1,13 +1,15 @@
-"""The emulated-Metal build's instrumentation: which kernels upstream's Metal host code dispatched,
-and the emulator's lane schedule. tools/build/build.py copies this file into build-metal-emu/ builds
-only (never into a CPU build, never onto the Hub), beside the ops of common/metal/metal_emu_ops.cpp
-that it wraps; a package's __init__ re-exports `metal_dispatches` / `reset_metal_dispatches` from it
-where it is present."""
+"""The emulated-Metal builds' instrumentation: which kernels upstream's Metal host code dispatched,
+and the emulator's lane schedule. tools/build/build.py copies this file into build-metal-emu/ and
+build-mps-emu/ builds only (never into a CPU build, never onto the Hub), beside the ops it wraps
+(common/metal/metal_emu_ops.cpp, common/metal/mps_emu/mps_emu_ops.cpp: the same names); a
+package's __init__ re-exports `metal_dispatches` / `reset_metal_dispatches` from it where it is
+present."""
 
 from __future__ import annotations
 
 import json
 
+from ._ggml_runtime import BACKEND
 from ._ops import ops
 
 
@@ -19,8 +21,16 @@ def metal_dispatches() -> dict[str, int]:
 
 def metal_dispatch_records() -> list[dict]:
     """Every dispatch since the last reset (the first 20000): kernel, pipeline, function constants,
-    grid, threads per threadgroup, threadgroup memory, bindings."""
-    return json.loads(ops.metal_dispatches_json())
+    grid, threads per threadgroup, threadgroup memory, bindings, and the bytes the kernel wrote past
+    its threadgroup memory on the emulator (threadgroup_overrun)."""
+    records = json.loads(ops.metal_dispatches_json())
+    if BACKEND == "mps-emu":
+        # the device layer logs what it encoded; the fake framework ran it on its emulator, and
+        # says per kernel (its emulator is shared by every build in the process) what overran
+        overruns = json.loads(ops.metal_threadgroup_overruns_json())
+        for r in records:
+            r["threadgroup_overrun"] = overruns.get(r["kernel"], 0)
+    return records
 
 
 def reset_metal_dispatches() -> None:

@@ -9,13 +9,18 @@ import torch
 from . import _ops
 
 _extension = getattr(_ops, _ops.ops.name)  # the compiled module: the ops' namespace is its name
-# "cpu", or "metal-emu": the emulated-Metal build (build-metal-emu/), which alone carries _metal_emu.py
+# "cpu"; "metal" (MPS tensors: the darwin build); on CPU tensors, the emulated builds, which alone carry
+# _metal_emu.py (never on the Hub): "metal-emu" (upstream's Metal backend on the emulated device,
+# build-metal-emu/) and "mps-emu" (the MPS device layer's Linux twin, build-mps-emu/)
 BACKEND = _extension.backend()
+EMULATED_METAL = ("metal-emu", "mps-emu")
+METAL = BACKEND == "metal" or BACKEND in EMULATED_METAL  # upstream's Metal kernels run the ops
 
 
 def info() -> dict[str, str]:
-    """Which ggml runtime this build loaded: its backend ("cpu", or "metal-emu": upstream's Metal
-    backend on the emulated device), CPU level (CPU builds), library path, ggml version and commit."""
+    """Which ggml runtime this build loaded: its backend ("cpu", "metal", or on CPU tensors "metal-emu"
+    / "mps-emu": upstream's Metal backend on the emulated device / the MPS device layer's Linux twin),
+    CPU level (CPU builds), library path, ggml version and commit."""
     return {
         "backend": BACKEND,
         "cpu_variant": _extension.cpu_variant(),

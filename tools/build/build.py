@@ -10,10 +10,14 @@ first use), checks the ABI and lays out the variant folder that `kernels` loads:
     libggml-kernels-cpu-<level>.so (one per x86-64 feature level)
     LICENSE (the repo's, MIT) and LICENSE.ggml (llama.cpp's, from the pinned sources: the binaries contain ggml)
 
-A package whose build.toml has a `metal` kernel entry (`emulated = true` in ggml-build.toml) also gets
-build-metal-emu/<variant>/: the same Python API on CPU tensors, its ops run by upstream's Metal backend
-on the emulated device (libggml-kernels-metal-emu.so beside the extension instead of the CPU runtimes,
-and the emulator's instrumentation, _metal_emu.py; never uploaded).
+A package whose build.toml has a `metal` kernel entry (`emulated = true` in ggml-build.toml: no Metal
+device here) gets two more builds of that entry (BUILD_KINDS), the same Python API on CPU tensors with
+the emulator's instrumentation (_metal_emu.py), never uploaded:
+- build-metal-emu/<variant>/: upstream's Metal backend on the emulated device
+  (libggml-kernels-metal-emu.so beside the extension instead of the CPU runtimes);
+- build-mps-emu/<variant>/: the MPS backend and device layer of the darwin build on the Linux twin
+  (tools/build/mps_runtime.py: libggml-kernels-metal-twin.so, the fake Metal framework and the
+  Objective-C runtime it needs beside the extension, found by $ORIGIN).
 
     python -m tools.build                      # every package
     python -m tools.build ggml-quantization    # one package
@@ -45,28 +49,84 @@ COMMON_SOURCES = ["ggml_runtime.cpp", "ggml_torch.cpp"]  # every backend's
 
 @dataclass(frozen=True)
 class Backend:
-    """How a build.toml backend is built here."""
+    """A build.toml backend as built here: what ggml-build.toml must state of its kernels."""
 
-    folder: str  # packages/<name>/<folder>/<variant>/
+    ggml: tuple[str, ...]  # the ggml runtime its extensions load
+    emulated: bool  # built here only on CPU tensors, over an emulated device (no native toolchain)
+
+
+BACKENDS = {
+    "cpu": Backend(("ggml-base", "ggml-cpu"), False),
+    # no Metal toolchain or device here: every metal build kind runs on CPU tensors and the emulator
+    "metal": Backend(("ggml-base", "ggml-metal"), True),
+}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What a build kind needs beyond g++ and torch, made before its extension: link inputs built
+    elsewhere (clang's objects), include folders and defines for its sources, the libraries that go
+    beside the extension, the files of the checkout those inputs were made from (in the extension's
+    key), and the toolchain that made them."""
+
+    includes: tuple[Path, ...] = ()
+    defines: tuple[str, ...] = ()
+    objects: tuple[Path, ...] = ()
+    ldflags: tuple[str, ...] = ()
+    libraries: tuple[Path, ...] = ()
+    sources: tuple[Path, ...] = ()
+    toolchain: str = ""
+
+
+@dataclass(frozen=True)
+class BuildKind:
+    """One way a build.toml backend is built here: packages/<name>/<folder>/<variant>/."""
+
+    backend: str  # the build.toml backend whose kernels it builds
+    folder: str
     tag: str  # in the extension id: _<py_name>_<tag>_<hash>
     # its part of common/: what every backend defines (ggml_torch.h's backend::, ggml_runtime.h's
     # backend_name / backend::load) and its own ops; no shared header names a backend
     sources: tuple[str, ...]
     python: tuple[str, ...]  # its Python glue in common/, beside the shared common/python/*.py
     dispatch_key: str  # torch dispatch key of its ops' tensors
-    ggml: tuple[str, ...]  # the ggml runtime its loader opens: ggml-build.toml's `ggml` must say so
-    libraries: Callable[[Path], list[Path]]  # that runtime's libraries in the runtime folder
-    emulated: bool  # ggml-build.toml's `emulated` its kernels must have
+    libraries: Callable[[Path], list[Path]]  # the ggml runtime's libraries in the runtime folder
+    platform: Callable[[int | None], Platform] = lambda jobs: Platform()
 
 
-BACKENDS = {
-    "cpu": Backend("build", "cpu", ("cpu/cpu_backend.cpp",), (), "CPU", ("ggml-base", "ggml-cpu"),
-                   ggml_runtime.libraries, False),
+def mps_twin(jobs: int | None) -> Platform:
+    """The MPS backend over the twin's runtime (tools/build/mps_runtime.py): the device layer on the
+    fake Metal framework, whose "MPS tensors" are CPU tensors and whose dispatches run on its own
+    emulator. On a Mac (darwin.py) the same backend takes MPS tensors and is named "metal"."""
+    from . import mps_runtime
+
+    runtime = mps_runtime.twin_runtime(jobs)
+    fake = mps_runtime.out_dir() / mps_runtime.LIBRARY
+    return Platform(
+        includes=(COMMON / "metal" / "mps", mps_runtime.FAKE_DIR),
+        defines=(f'GGML_KERNELS_MPS_RUNTIME="{runtime.name}"', "GGML_KERNELS_MPS_DEVICE=CPU",
+                 'GGML_KERNELS_MPS_BACKEND_NAME="mps-emu"'),
+        objects=(mps_runtime.platform_object(),),  # mps_platform.h on the twin (clang, metal-cpp)
+        ldflags=(str(fake), f"-l:{mps_runtime.OBJC_RUNTIME}", "-Wl,-rpath,$$ORIGIN"),
+        libraries=(runtime, fake, mps_runtime.objc_runtime()),
+        sources=(mps_runtime.TWIN_PLATFORM,),
+        toolchain=mps_runtime.clang_version())
+
+
+BUILD_KINDS = {
+    "cpu": BuildKind("cpu", "build", "cpu", ("cpu/cpu_backend.cpp",), (), "CPU", ggml_runtime.libraries),
     # upstream's Metal backend on the emulated device: CPU tensors, and the emulator's instrumentation
-    "metal": Backend("build-metal-emu", "metal_emu", ("metal/metal_backend.cpp", "metal/metal_emu_ops.cpp"),
-                     ("metal/_metal_emu.py",), "CPU", ("ggml-base", "ggml-metal"),
-                     lambda runtime: [runtime / metal_runtime.LIBRARY], True),
+    "metal-emu": BuildKind("metal", "build-metal-emu", "metal_emu", ("metal/metal_backend.cpp", "metal/metal_emu_ops.cpp"),
+                           ("metal/_metal_emu.py",), "CPU", lambda runtime: [runtime / metal_runtime.LIBRARY]),
+    # the MPS backend and device layer (the darwin build's) on the Linux twin: CPU tensors as the
+    # MPS storages, the instrumentation of the layer's log and the fake framework's emulator
+    "mps-emu": BuildKind("metal", "build-mps-emu", "mps_emu", ("metal/mps/mps_backend.cpp", "metal/mps_emu/mps_emu_ops.cpp"),
+                         ("metal/_metal_emu.py",), "CPU", lambda runtime: [], mps_twin),
 }
+# local verification libraries beside an extension, never uploaded: the emulated device's _Float16
+# conversions (msl.h's half) take libgcc_s's GCC_12 helpers, beyond manylinux_2_28; the twin's
+# fake framework and the Debian Objective-C runtime it needs
+UNCHECKED_LIBRARIES = {metal_runtime.LIBRARY, "libggml-kernels-metal-twin.so", "libggml-kernels-fake-metal.so", "libobjc.so.4"}
 CXXFLAGS = [
     # -fopenmp: at::parallel_for is inline and uses OpenMP pragmas; without it, it runs serially.
     # At run time the libgomp.so.1 that torch itself loads (torch/lib) serves them: one thread pool.
@@ -97,8 +157,13 @@ def hash_files(files, extra: str) -> str:
     return h.hexdigest()[:7]
 
 
+def kinds_of(spec: PackageSpec) -> list[str]:
+    """The build kinds a package gets: those of every backend its build.toml has kernels for."""
+    return [name for name, kind in BUILD_KINDS.items() if spec.kernels_of(kind.backend)]
+
+
 def build_package(name: str, jobs: int | None = None, check_abi: bool = True) -> list[Path]:
-    """Every backend build of a package (build/ and, with a metal entry, build-metal-emu/)."""
+    """Every build kind of a package (build/ and, with a metal entry, build-metal-emu/ and build-mps-emu/)."""
     pkg = REPO / "packages" / name
     spec = package_spec.load(pkg)
     if "cpu" not in spec.general.get("backends", []) or not spec.kernels_of("cpu"):
@@ -106,33 +171,35 @@ def build_package(name: str, jobs: int | None = None, check_abi: bool = True) ->
     check_backends(spec)
     sanitize.refuse_checkout(REPO)
     runtime = ggml_runtime.build(jobs)
-    return [_build_backend(spec, backend, runtime, jobs, check_abi)
-            for backend in BACKENDS if spec.kernels_of(backend)]
+    return [_build_kind(spec, kind, runtime, jobs, check_abi) for kind in kinds_of(spec)]
 
 
 def check_backends(spec: PackageSpec) -> None:
-    """Every kernel's backend is one built here, with the runtime and build kind ggml-build.toml states."""
+    """Every kernel's backend is one built here, with the runtime ggml-build.toml states, and
+    emulated exactly when that backend's builds here are."""
     where = spec.folder / package_spec.GGML_BUILD_TOML
     for k in spec.kernels:
-        kind = BACKENDS.get(k.backend)
-        if kind is None:
+        backend = BACKENDS.get(k.backend)
+        if backend is None:
             raise ValueError(f"{spec.folder / package_spec.BUILD_TOML}: [kernel.{k.name}]: backend {k.backend!r} is "
                              f"not built here (only {', '.join(BACKENDS)})")
-        if k.ggml != kind.ggml:
+        if k.ggml != backend.ggml:
             raise ValueError(f"{where}: [kernel.{k.name}]: ggml = {list(k.ggml)}, but a {k.backend} extension "
-                             f"loads {list(kind.ggml)}")
-        if k.emulated != kind.emulated:
+                             f"loads {list(backend.ggml)}")
+        if k.emulated != backend.emulated:
+            folders = ", ".join(f"{b.folder}/" for b in BUILD_KINDS.values() if b.backend == k.backend)
             raise ValueError(f"{where}: [kernel.{k.name}]: emulated = {str(k.emulated).lower()}: the {k.backend} "
-                             f"kernels are built here only as {'the emulated build' if kind.emulated else 'native code'} "
-                             f"({kind.folder}/), emulated = {str(kind.emulated).lower()}")
+                             f"kernels are built here only as {'emulated builds' if backend.emulated else 'native code'} "
+                             f"({folders}), emulated = {str(backend.emulated).lower()}")
 
 
-def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | None, check_abi: bool) -> Path:
+def _build_kind(spec: PackageSpec, name: str, runtime: Path, jobs: int | None, check_abi: bool) -> Path:
     import torch
     from torch.utils import cpp_extension
 
-    kind = BACKENDS[backend]
-    kernels = spec.kernels_of(backend)
+    kind = BUILD_KINDS[name]
+    platform = kind.platform(jobs)
+    kernels = spec.kernels_of(kind.backend)
     pkg = spec.folder
     py_name = pkg.name.replace("-", "_")
     tree = upstream.ggml_tree()
@@ -143,19 +210,21 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
     headers = [p for p in sources if p.suffix == ".h"] + [h for d in include_dirs for h in sorted(d.glob("*.h"))]
     headers = list(dict.fromkeys(headers)) + sorted(COMMON.glob("*.h"))
     headers += [COMMON / "metal" / "metal_device_api.h", COMMON / "metal" / "emu" / "metal_emu_api.h"]
+    headers += [h for d in platform.includes for h in sorted(d.glob("*.h"))]
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
 
     variant = torch_variant()
     recipe = torch.__version__ + "".join(sanitize.compile_flags())  # a sanitized build gets its own id
-    ext_id = f"_{py_name}_{kind.tag}_{hash_files(sources + headers, recipe + backend)}"
+    ext_id = f"_{py_name}_{kind.tag}_{hash_files(sources + headers + list(platform.sources), recipe + kind.backend)}"
     work = pkg / kind.folder / ".ninja" / variant
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'include'}", f"-I{COMMON}",
                  f"-I{pkg / 'torch-ext'}"]
-    includes += [f"-I{d}" for d in include_dirs]
+    includes += [f"-I{d}" for d in [*include_dirs, *platform.includes]]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = CXXFLAGS + sanitize.compile_flags() + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     flags += [f"-DTORCH_EXTENSION_NAME={ext_id}", f"-DGGML_KERNELS_DISPATCH_KEY={kind.dispatch_key}"]
+    flags += [f"-D{d}" for d in platform.defines]
     flags += includes
     torch_lib = Path(torch.__file__).parent / "lib"
 
@@ -176,14 +245,18 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
         objs.append(obj)
     so = work / f"{ext_id}.abi3.so"
     ldflags = [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lgomp", "-Wl,-z,noexecstack", "-ldl"]
-    ldflags += sanitize.link_flags()
-    n.build(so, "link", objs, variables={"ldflags": ninja.quote(ldflags)})
+    ldflags += sanitize.link_flags() + list(platform.ldflags)
+    n.build(so, "link", [*objs, *platform.objects], variables={"ldflags": ninja.quote(ldflags)})
     n.write(work / "build.ninja")
-    extension_cache.build(so, work, n, [*compiled, *compat_sources], jobs)
+    toolchain = extension_cache.running_torch()
+    if platform.toolchain:
+        toolchain = extension_cache.Toolchain(f"{toolchain.identity}; {platform.toolchain}", toolchain.machine_paths)
+    extension_cache.build(so, work, n, [*compiled, *compat_sources, *platform.sources], jobs, toolchain)
 
     out = pkg / kind.folder / variant
     glue = python_glue(kind)
-    assemble(out, pkg / "torch-ext" / py_name, so, kind.libraries(runtime), glue, ext_id, spec.general)
+    libraries = [*kind.libraries(runtime), *platform.libraries]
+    assemble(out, pkg / "torch-ext" / py_name, so, libraries, glue, ext_id, spec.general)
     for module in glue:
         files.copy_if_changed(module, out / module.name)
     if check_abi:
@@ -191,7 +264,7 @@ def _build_backend(spec: PackageSpec, backend: str, runtime: Path, jobs: int | N
     return out
 
 
-def python_glue(kind: Backend) -> list[Path]:
+def python_glue(kind: BuildKind) -> list[Path]:
     """The Python modules of common/ a build of this kind carries: those every package shares
     (common/python/) and the backend's own (the emulator's instrumentation in emulated builds only)."""
     return sorted((COMMON / "python").glob("*.py")) + [COMMON / p for p in kind.python]
@@ -248,9 +321,7 @@ def check_binaries(variant_dir: Path, required: bool = False) -> None:
         return
     problems = []
     for so in sorted(variant_dir.glob("*.so")):
-        if so.name == metal_runtime.LIBRARY:
-            # the emulated device is a local verification tool, never uploaded: its _Float16
-            # conversions (msl.h's half) take libgcc_s's GCC_12 helpers, beyond manylinux_2_28
+        if so.name in UNCHECKED_LIBRARIES:
             continue
         obj = kernel_abi_check.ObjectFile(str(so))
         bad = list(obj.check_manylinux(MANYLINUX))

@@ -77,6 +77,22 @@ def _missing_packages() -> list[str]:
     return missing
 
 
+def objc_runtime() -> Path:
+    """Debian's libobjc.so.4 (require_tools() installs it), by its soname (the copy beside a build
+    must have the name the libraries over it need)."""
+    require_tools()
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        if (Path(folder) / OBJC_RUNTIME).exists():
+            return Path(folder) / OBJC_RUNTIME
+    raise RuntimeError(f"no {OBJC_RUNTIME} in /usr/lib: apt-get install libobjc4")
+
+
+def clang_version() -> str:
+    """For the keys of what clang built (an extension cache entry linking its objects)."""
+    require_tools()
+    return subprocess.run([CLANG, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
 def require_tools() -> None:
     """clang-16 and libobjc4: installed with apt-get when missing (as root), else a clear error."""
     missing = _missing_packages()
@@ -297,7 +313,8 @@ def _stage(staged: Path, src: Path) -> None:
         target = staged / "shims" / shim.relative_to(FAKE_DIR / "shims")
         target.parent.mkdir(parents=True, exist_ok=True)
         files.write_if_changed(target, shim.read_text())
-    files.write_if_changed(staged / "emu_runtime.h", (EMU_DIR / "emu_runtime.h").read_text())
+    for header in ("emu_runtime.h", "metal_emu_api.h"):
+        files.write_if_changed(staged / header, (EMU_DIR / header).read_text())
     files.write_if_changed(staged / METAL_CPP_IMPL.name, METAL_CPP_IMPL.read_text())
     files.write_if_changed(staged / DRIVER.name, DRIVER.read_text())
     files.write_if_changed(staged / FACTS, facts_table(src / "ggml-metal" / "kernels"))
@@ -348,7 +365,7 @@ def build(jobs: int | None = None) -> Path:
     lib = out / LIBRARY
     n.build(lib, "link", [*objs, *emulator],
             variables={"ldflags": ninja.quote(["-shared", f"-Wl,-soname,{LIBRARY}", "-Wl,--no-undefined",
-                                               "-Wl,-z,noexecstack", *LINK_LIBS])})
+                                               "-Wl,-z,noexecstack", "-Wl,-rpath,$$ORIGIN", *LINK_LIBS])})
     # the driver: metal-cpp's tables, and the emulator once more for the direct path
     driver = compile_one(staged / DRIVER.name, (f"-I{src / 'ggml-metal'}",))
     n.build(out / "fake-metal-driver", "link", [driver, objs[len(FAKE_SOURCES)], *emulator], implicit=[lib],

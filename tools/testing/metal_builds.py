@@ -65,20 +65,24 @@ def metal_fixture(name: str, package: str, kinds: tuple[str, ...] = tuple(METAL_
 
 class TwinChecked:
     """build-mps-emu's module (attributes, submodules, _metal_emu: the twin's own) whose every
-    public function call also runs on build-metal-emu with copies of the arguments: results and
+    public function call (its `ops` namespace's too) also runs on build-metal-emu with copies of
+    the arguments: results and
     arguments an op writes must be bit-identical, the kernels dispatched the same (names and
     threadgroups), an error the same type."""
 
-    def __init__(self, twin, emulated):
+    def __init__(self, twin, emulated, runtimes=None):
         self._twin = twin
         self._emulated = emulated
+        # the modules' instrumentation (_metal_emu), kept when this wraps their `ops` namespace
+        self._runtimes = runtimes or (twin._metal_emu, emulated._metal_emu)
 
     def __getattr__(self, name: str):
         ours = getattr(self._twin, name)
+        if isinstance(ours, torch._ops._OpNamespace):  # module.ops.<op>(...): checked as well
+            return TwinChecked(ours, getattr(self._emulated, name), self._runtimes)
         if name.startswith("_") or name in INSTRUMENTATION or not _is_function(ours):
             return ours
-        return functools.partial(_checked_call, name, ours, getattr(self._emulated, name),
-                                 self._twin._metal_emu, self._emulated._metal_emu)
+        return functools.partial(_checked_call, name, ours, getattr(self._emulated, name), *self._runtimes)
 
     def __dir__(self):
         return dir(self._twin)
@@ -96,6 +100,8 @@ def _copies(value, storages: dict | None = None):
     tensors that shared a storage sharing the copy (an op may write into them; the layer binds
     storages at offsets)."""
     storages = {} if storages is None else storages
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":  # no memory to share
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
     if isinstance(value, torch.Tensor):
         storage = value.untyped_storage()
         copy = storages.setdefault(storage.data_ptr(), storage.clone())
@@ -122,7 +128,9 @@ def _same(ours, theirs, what: str) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, f"{what}[{i}]"
-            assert torch.equal(bits(x), bits(y)), f"{what}[{i}]: the twin's bits differ from metal-emu's"
+            assert x.device == y.device, f"{what}[{i}]: on {x.device} on the twin, {y.device} on metal-emu"
+            if x.device.type != "meta":  # fake (meta) calls give shapes and dtypes only
+                assert torch.equal(bits(x), bits(y)), f"{what}[{i}]: the twin's bits differ from metal-emu's"
         else:
             assert x == y, f"{what}[{i}]: {x!r} on the twin, {y!r} on metal-emu"
 

@@ -34,6 +34,9 @@
 #ifndef GGML_KERNELS_MPS_DEVICE  // the Linux twin's stand-ins for MPS tensors are CPU tensors
 #define GGML_KERNELS_MPS_DEVICE MPS
 #endif
+#ifndef GGML_KERNELS_MPS_BACKEND_NAME  // the Linux twin's build is "mps-emu" (info()["backend"])
+#define GGML_KERNELS_MPS_BACKEND_NAME "metal"
+#endif
 
 namespace ggml_kernels {
 
@@ -146,8 +149,12 @@ bool dense(const ggml_tensor* g) {
 // Where each tensor of the graph goes: its own torch storage, or the scratch tensor.
 struct Placement {
   std::unordered_map<ggml_tensor*, at::Tensor> owner;       // tensor -> the torch tensor it lies in
+  std::unordered_map<ggml_tensor*, size_t> owner_byte;      // tensor -> its byte in owner's storage
   std::vector<std::pair<ggml_tensor*, size_t>> scratch;     // tensor -> offset in the scratch
   std::vector<std::pair<ggml_tensor*, at::Tensor>> copies;  // results computed in the scratch
+  // results that are views (a reshape of the last node): their bytes are their source's, wherever
+  // it is placed; copied to their tensor unless the source lies in that tensor's storage
+  std::vector<std::pair<ggml_tensor*, at::Tensor>> view_copies;
   size_t scratch_bytes = 0;
   at::TensorOptions options;  // of the graph's tensors: where the scratch is made
 };
@@ -164,6 +171,23 @@ bool fits_in_place(Device& dev, ggml_tensor* g, const at::Tensor& t, bool result
   return (!result || dense(g)) && at_byte + bytes <= t.storage().nbytes();
 }
 
+// The elements of t that ggml tensor `g` (noted in t) covers, as a torch view.
+at::Tensor as_placed(const ggml_tensor* g, const at::Tensor& t) {
+  std::vector<int64_t> sizes, strides;
+  torch_layout(g, sizes, strides);
+  const int64_t es = t.element_size();
+  return t.as_strided(sizes, strides, t.storage_offset() + byte_offset(g, t) / es);
+}
+
+// A view's elements where its source was placed: at byte `offset` of `base`'s storage.
+at::Tensor view_at(const at::Tensor& base, size_t offset, const ggml_tensor* view) {
+  std::vector<int64_t> sizes, strides;
+  torch_layout(view, sizes, strides);
+  const auto es = static_cast<size_t>(ggml().ggml_type_size(view->type));
+  return at::empty({0}, base.options().dtype(torch_dtype(view->type)))
+      .set_(base.storage(), static_cast<int64_t>(offset / es), sizes, strides);
+}
+
 Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory& memory,
                 const std::unordered_set<ggml_tensor*>& results) {
   Placement p;
@@ -171,7 +195,12 @@ Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory
   TORCH_CHECK(!noted.empty(), "ggml-kernels MPS: a graph with no torch tensor in it");
   p.options = noted.begin()->second.options().dtype(at::kByte);
   for (ggml_tensor* g : order) {
-    if (g->view_src != nullptr) continue;  // placed with its source
+    if (g->view_src != nullptr) {  // placed with its source
+      auto it = noted.find(g);
+      if (results.count(g) > 0 && it != noted.end())
+        p.view_copies.emplace_back(g, as_placed(g, it->second));
+      continue;
+    }
     const bool result = results.count(g) > 0;
     auto it = noted.find(g);
     if (it == noted.end()) {
@@ -180,15 +209,11 @@ Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory
                   "(Graph::raw without Graph::note)");
     } else if (fits_in_place(dev, g, it->second, result)) {
       p.owner.emplace(g, it->second);
+      p.owner_byte.emplace(g, mps::tensor_offset(it->second) + byte_offset(g, it->second));
       continue;
     } else {
       TORCH_CHECK(result, "ggml-kernels MPS: a graph leaf reaches past its tensor's storage");
-      std::vector<int64_t> sizes, strides;
-      torch_layout(g, sizes, strides);
-      const at::Tensor& t = it->second;
-      const int64_t es = t.element_size();
-      p.copies.emplace_back(
-          g, t.as_strided(sizes, strides, t.storage_offset() + byte_offset(g, t) / es));
+      p.copies.emplace_back(g, as_placed(g, it->second));
       make_dense(g);  // in the scratch (Restore puts its strides back)
     }
     p.scratch.emplace_back(g, p.scratch_bytes);
@@ -216,7 +241,7 @@ at::Tensor scratch_view(const at::Tensor& scratch, size_t offset, const ggml_ten
 
 }  // namespace
 
-const char* backend_name() { return "metal"; }
+const char* backend_name() { return GGML_KERNELS_MPS_BACKEND_NAME; }
 const c10::DeviceType backend::kDevice = c10::DeviceType::GGML_KERNELS_MPS_DEVICE;
 const bool backend::kSlicesOverThreads = false;
 const bool backend::kNotesTensors = true;
@@ -281,8 +306,18 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
   TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-metal: the graph failed (status ",
               static_cast<int>(status), "): ", G.gk_metal_last_error());
   const bool host_memory = !p.options.device().is_mps();
-  if (host_memory && !p.copies.empty()) mps::synchronize();
+  if (host_memory && !(p.copies.empty() && p.view_copies.empty())) mps::synchronize();
   for (const auto& [g, out] : p.copies) out.copy_(scratch_view(scratch, scratch_at.at(g), g));
+  for (const auto& [g, out] : p.view_copies) {
+    ggml_tensor* src = g->view_src;
+    if (auto own = p.owner.find(src); own != p.owner.end()) {
+      const at::Tensor& t = own->second;
+      if (t.storage().is_alias_of(out.storage())) continue;  // computed where it belongs
+      out.copy_(view_at(t, p.owner_byte.at(src) + g->view_offs, g));
+    } else {
+      out.copy_(view_at(scratch, scratch_at.at(src) + g->view_offs, g));
+    }
+  }
   if (host_memory) mps::synchronize();
 }
 

@@ -78,6 +78,8 @@ struct Registry {
   std::multiset<std::string> live;
   std::vector<std::string> calls;
   std::vector<DispatchRecord> dispatches;
+  std::map<std::string, size_t>
+      overruns;  // kernel -> most bytes written past its threadgroup memory
   uint64_t source_hash = 0;
   int libraries = 0;
 };
@@ -792,10 +794,13 @@ void execute(CommandBuffer* cb) {
     launch.threadgroup_memory = e.record.threadgroup_memory;
     std::copy(e.record.grid, e.record.grid + 3, launch.grid);
     std::copy(e.record.threads, e.record.threads + 3, launch.threads);
-    emu::run(launch);
+    const size_t overrun = emu::run(launch);
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
+    if (overrun > 0) r.overruns[e.record.kernel] = std::max(r.overruns[e.record.kernel], overrun);
+    if (r.dispatches.size() >= kMaxDispatches) continue;  // a model's run makes many more
     r.dispatches.push_back(e.record);
+    r.dispatches.back().threadgroup_overrun = overrun;
   }
 }
 
@@ -1167,6 +1172,18 @@ void reset_dispatches() {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.dispatches.clear();
+  r.overruns.clear();
+}
+
+std::map<std::string, size_t> threadgroup_overruns() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.overruns;
+}
+
+void set_lane_schedule(bool reverse, bool lane_zero_convergence) {
+  emu::set_schedule(reverse ? emu::Schedule::Reverse : emu::Schedule::Forward);
+  emu::set_lane_zero_convergence(lane_zero_convergence);
 }
 
 std::map<std::string, int> live_objects() {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "fake_mps.h"
+#include "metal_emu_api.h"
 
 namespace {
 
@@ -44,7 +45,8 @@ std::string json_dispatch(const fake_metal::DispatchRecord& d) {
          ", \"grid\": " + triple(d.grid) + ", \"threads\": " + triple(d.threads) +
          ", \"buffer_offsets\": " + json_object(d.buffer_offsets) +
          ", \"bytes\": " + json_object(d.bytes_lengths) +
-         ", \"threadgroup_memory\": " + json_object(d.threadgroup_memory) + "}";
+         ", \"threadgroup_memory\": " + json_object(d.threadgroup_memory) +
+         ", \"threadgroup_overrun\": " + std::to_string(d.threadgroup_overrun) + "}";
 }
 
 // Copies text into out (at most capacity bytes, NUL-terminated); returns the length it needs.
@@ -82,6 +84,16 @@ size_t gk_fake_metal_live_objects_json(char* out, size_t capacity) {
   return give(text + "}", out, capacity);
 }
 
+size_t gk_fake_metal_overruns_json(char* out, size_t capacity) {
+  std::string text = "{";
+  for (const auto& [kernel, bytes] : fake_metal::threadgroup_overruns())
+    text += (text.size() > 1 ? ", " : "") + json_string(kernel) + ": " + std::to_string(bytes);
+  return give(text + "}", out, capacity);
+}
+void gk_fake_metal_set_lane_schedule(int flags) {
+  fake_metal::set_lane_schedule((flags & GK_METAL_LANES_REVERSE) != 0,
+                                (flags & GK_METAL_LANES_NO_CONVERGENCE) == 0);
+}
 void gk_fake_metal_reset(void) {
   fake_metal::reset_calls();
   fake_metal::reset_dispatches();

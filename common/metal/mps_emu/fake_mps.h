@@ -63,9 +63,18 @@ struct DispatchRecord {
   std::map<int, size_t> buffer_offsets;      // argument index -> offset in its buffer
   std::map<int, size_t> bytes_lengths;       // argument index -> setBytes length
   std::map<int, size_t> threadgroup_memory;  // threadgroup index -> bytes
+  size_t threadgroup_overrun = 0;  // bytes the kernel wrote past its threadgroup memory (emulator)
 };
+// The dispatches since the last reset (the first kMaxDispatches) and, of all, the most bytes each
+// kernel wrote past its threadgroup memory (kernels that wrote none are absent).
+constexpr size_t kMaxDispatches = 20000;
 std::vector<DispatchRecord> dispatches();
+std::map<std::string, size_t> threadgroup_overruns();
 void reset_dispatches();
+
+// The emulator's lane schedule (emu_runtime.h): a SIMD group's lanes run forward or in reverse
+// between rendezvous points; lane_zero_convergence: the rendezvous around `if (lane == 0)` blocks.
+void set_lane_schedule(bool reverse, bool lane_zero_convergence);
 
 // Objects alive now, by class ("MTLBuffer": 2, ...). Taken before and after a call, the difference
 // is what the call leaked (autoreleased objects count until their pool drains).
@@ -86,10 +95,15 @@ extern "C" {
 // ["-[MTLBuffer contents]", ...]
 size_t gk_fake_metal_calls_json(char* out, size_t capacity);
 // [{"kernel": ..., "constants": {"600": 2}, "grid": [x, y, z], "threads": [...],
-//   "buffer_offsets": {"1": 0}, "bytes": {"0": 112}, "threadgroup_memory": {"0": 256}}, ...]
+//   "buffer_offsets": {"1": 0}, "bytes": {"0": 112}, "threadgroup_memory": {"0": 256},
+//   "threadgroup_overrun": 0}, ...]
 size_t gk_fake_metal_dispatches_json(char* out, size_t capacity);
 // {"MTLBuffer": 2, ...}
 size_t gk_fake_metal_live_objects_json(char* out, size_t capacity);
+// {"kernel_...": bytes written past its threadgroup memory, ...} since the last reset
+size_t gk_fake_metal_overruns_json(char* out, size_t capacity);
 // Forgets the calls and dispatches recorded so far.
 void gk_fake_metal_reset(void);
+// the emulator's lane schedule, as gk_metal_set_lane_schedule (metal_emu_api.h's GK_METAL_LANES_*)
+void gk_fake_metal_set_lane_schedule(int flags);
 }

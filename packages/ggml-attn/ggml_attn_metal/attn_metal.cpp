@@ -70,8 +70,10 @@ ggml_tensor* half_rows(ggml_context* ctx, ggml_tensor* x, int64_t at, int64_t n)
 ggml_tensor* table(Graph& g, const at::Tensor& t) {
   const size_t es = sizeof(float), row = static_cast<size_t>(t.size(2)) * es,
                plane = row * static_cast<size_t>(t.size(1));
-  return g.raw(GGML_TYPE_F32, t.data_ptr(), {t.size(2), t.size(1), 1, t.size(0)},
-               {es, row, plane, plane});
+  ggml_tensor* view = g.raw(GGML_TYPE_F32, t.data_ptr(), {t.size(2), t.size(1), 1, t.size(0)},
+                            {es, row, plane, plane});
+  g.note(view, t);  // a backend that binds storages (MPS) finds it in t's
+  return view;
 }
 
 // x * cos + rotate_half(x) * sin of x (B, H, T, D) float32 into a new (B, H, T, D) tensor.
@@ -99,8 +101,10 @@ ggml_tensor* cache_view(Graph& g, const at::Tensor& buf) {
                 lead = buf.numel() / std::max<int64_t>(1, d * cap);
   const size_t es = static_cast<size_t>(buf.element_size()), row = static_cast<size_t>(d) * es;
   const size_t plane = row * static_cast<size_t>(cap);
-  return g.raw(ggml_type_of(buf.scalar_type()), buf.data_ptr(), {d, cap, lead, 1},
-               {es, row, plane, plane * static_cast<size_t>(lead)});
+  ggml_tensor* view = g.raw(ggml_type_of(buf.scalar_type()), buf.data_ptr(), {d, cap, lead, 1},
+                            {es, row, plane, plane * static_cast<size_t>(lead)});
+  g.note(view, buf);
+  return view;
 }
 
 // The new rows x (..., n, D) as SET_ROWS takes them: float32 or float16, contiguous (bfloat16

@@ -251,9 +251,12 @@ class DeltaNetCall {
     const auto es = static_cast<size_t>(x.element_size());
     const char* base =
         static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
-    return gr.raw(ggml_type_of(x.scalar_type()), base, {dims_.D, 1, dims_.T, nh},
-                  {es, static_cast<size_t>(dims_.D) * es, static_cast<size_t>(x.stride(1)) * es,
-                   static_cast<size_t>(x.stride(2)) * es});
+    ggml_tensor* view =
+        gr.raw(ggml_type_of(x.scalar_type()), base, {dims_.D, 1, dims_.T, nh},
+               {es, static_cast<size_t>(dims_.D) * es, static_cast<size_t>(x.stride(1)) * es,
+                static_cast<size_t>(x.stride(2)) * es});
+    gr.note(view, x);  // a backend that binds storages (MPS) finds it in x's
+    return view;
   }
 
   // q or k of key heads [kh, kh + nkh) as float32, L2-normalised and scaled as ggml must read them.
@@ -271,8 +274,10 @@ class DeltaNetCall {
   ggml_tensor* per_seq(Graph& gr, const at::Tensor& x, int64_t b, int64_t h0, int64_t hs,
                        at::Tensor& keep) const {
     if (gates_direct_) {
-      return gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0, {1, 1, 1, hs},
-                    {4, 4, 4, 4});
+      ggml_tensor* view = gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0,
+                                 {1, 1, 1, hs}, {4, 4, 4, 4});
+      gr.note(view, x);
+      return view;
     }
     keep = x.select(0, b).narrow(1, h0, hs).t().contiguous().view({hs, dims_.T, 1, 1});
     return gr.view(keep);
@@ -284,8 +289,11 @@ class DeltaNetCall {
     const int64_t D = dims_.D, first = (b * dims_.Hv + h0) * D * D;
     if (state_is_ggml_) {
       const size_t block = static_cast<size_t>(D * D) * sizeof(float);
-      return gr.raw(GGML_TYPE_F32, state_.data_ptr<float>() + first, {D, D, 1, hs},
-                    {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
+      ggml_tensor* view =
+          gr.raw(GGML_TYPE_F32, state_.data_ptr<float>() + first, {D, D, 1, hs},
+                 {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
+      gr.note(view, state_);
+      return view;
     }
     keep = t_state.tensor(hs * D * D).view({hs, 1, D, D});
     if (has_state_) {

@@ -12,7 +12,7 @@
 // written straight into the output. The norm's sum of squares is accumulated in double by ggml, the
 // rest is float32. RMS_NORM directly followed by MUL (the weight) is one fused pass in ggml-cpu
 // (ggml_cpu_try_fuse_ops; ggml-metal fuses it too), as long as the weight is a float32 leaf:
-// weights are therefore made float32 once per call, before the graphs (F32Vector).
+// weights are therefore made float32 once per call, before the graphs (f32_vector).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -21,7 +21,6 @@
 #include <cmath>
 #include <limits>
 #include <string>
-#include <vector>
 
 #include "ggml_torch.h"
 #include "torch_binding.h"
@@ -60,40 +59,12 @@ void check_vector(const at::Tensor& w, int64_t n, const char* name) {
 }
 
 // A per-feature parameter (weight, bias) as the float32 vector ggml's binary ops broadcast over the
-// rows: the tensor's own memory when it already is one, else converted once per call here (plain
-// loops: a torch op per call would cost more than a decode step's norm), 1 + w if plus_one.
-class F32Vector {
- public:
-  F32Vector() = default;
-  F32Vector(const at::Tensor& w, bool plus_one) {
-    if (w.scalar_type() == at::kFloat && w.stride(0) == 1 && !plus_one) {
-      own_ = w.data_ptr<float>();
-      n_ = w.size(0);
-      return;
-    }
-    const at::Tensor wc = w.contiguous();
-    n_ = wc.size(0);
-    buf_.resize(static_cast<size_t>(n_));
-    const float add = plus_one ? 1.0f : 0.0f;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "ggml_norm_weight",
-                                    [&] {
-                                      const scalar_t* src = wc.data_ptr<scalar_t>();
-                                      for (int64_t i = 0; i < n_; ++i)
-                                        buf_[i] = static_cast<float>(src[i]) + add;
-                                    });
-  }
-  // A ggml tensor {n} over the values (valid while this object lives).
-  ggml_tensor* view(Graph& g) const {
-    ggml_tensor* t = ggml().ggml_new_tensor_1d(g.ctx(), GGML_TYPE_F32, n_);
-    t->data = const_cast<float*>(own_ != nullptr ? own_ : buf_.data());
-    return t;
-  }
-
- private:
-  const float* own_ = nullptr;  // the tensor's memory, when used as is
-  int64_t n_ = 0;
-  std::vector<float> buf_;
-};
+// rows, 1 + w if plus_one: the tensor itself when it already is one, else a tensor of torch's (on
+// w's device: an MPS build binds only torch storages, never host memory of ours).
+at::Tensor f32_vector(const at::Tensor& w, bool plus_one) {
+  const at::Tensor f = w.to(at::kFloat);
+  return (plus_one ? f + 1 : f).contiguous();
+}
 
 ggml_tensor* cast_to(Graph& g, ggml_tensor* t, ggml_type type) {
   return t->type == type ? t : ggml().ggml_cast(g.ctx(), t, type);
@@ -172,8 +143,8 @@ at::Tensor norm_ops::rms_norm(const at::Tensor& x, const std::optional<at::Tenso
   if (x.numel() == 0) return out;
 
   const Rows x_rows(x), out_rows(out);
-  const F32Vector w = has_w ? F32Vector(*weight, zero_centered) : F32Vector();
-  const F32Vector b = has_b ? F32Vector(*bias, false) : F32Vector();
+  const at::Tensor w = has_w ? f32_vector(*weight, zero_centered) : at::Tensor();
+  const at::Tensor b = has_b ? f32_vector(*bias, false) : at::Tensor();
   const ggml_type x_type = ggml_type_of(x.scalar_type());
   const ggml_type out_type = ggml_type_of(out_dtype);
   const float feps = static_cast<float>(eps);
@@ -183,8 +154,8 @@ at::Tensor norm_ops::rms_norm(const at::Tensor& x, const std::optional<at::Tenso
     ggml_tensor* y =
         G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
     if (cast_before_weight) y = round_to(g, y, x_type);
-    if (has_w) y = G.ggml_mul(g.ctx(), y, w.view(g));  // fused with the norm when it follows it
-    if (has_b) y = G.ggml_add(g.ctx(), y, b.view(g));
+    if (has_w) y = G.ggml_mul(g.ctx(), y, g.view(w));  // fused with the norm when it follows it
+    if (has_b) y = G.ggml_add(g.ctx(), y, g.view(b));
     out_rows.compute(g, cast_to(g, y, out_type), r0, r1);
   });
   return out;
@@ -203,7 +174,7 @@ at::Tensor norm_ops::rms_norm_gated(const at::Tensor& x, const at::Tensor& z,
   if (x.numel() == 0) return out;
 
   const Rows x_rows(x), z_rows(z), out_rows(out);
-  const F32Vector w(weight, false);
+  const at::Tensor w = f32_vector(weight, false);
   const ggml_type x_type = ggml_type_of(x.scalar_type());
   const ggml_type prod_type =
       ggml_type_of(at::promote_types(x.scalar_type(), weight.scalar_type()));
@@ -214,7 +185,7 @@ at::Tensor norm_ops::rms_norm_gated(const at::Tensor& x, const at::Tensor& z,
     ggml_tensor* y =
         G.ggml_rms_norm(g.ctx(), cast_to(g, x_rows.view(g, r0, r1), GGML_TYPE_F32), feps);
     if (cast_before_weight) y = round_to(g, y, x_type);
-    y = G.ggml_mul(g.ctx(), y, w.view(g));
+    y = G.ggml_mul(g.ctx(), y, g.view(w));
     if (cast_before_weight) y = round_to(g, y, prod_type);
     ggml_tensor* gate = cast_to(g, z_rows.view(g, r0, r1), GGML_TYPE_F32);
     y = G.ggml_swiglu_split(g.ctx(), gate, y);  // silu(gate) * y in float32

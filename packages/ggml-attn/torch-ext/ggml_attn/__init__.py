@@ -22,7 +22,7 @@ import torch
 
 from . import _checks, layers, reference
 from ._checks import MAX_HEAD_DIM, METAL_HEAD_DIM_PAIRS, METAL_HEAD_DIMS, SUPPORTED_DTYPES
-from ._ggml_runtime import BACKEND, info, same_device
+from ._ggml_runtime import BACKEND, EMULATED_METAL, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "flash_attn_forward", "info", "kv_write", "layers", "reference", "supports_flash_attn",
 ]
 
-if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+if BACKEND in EMULATED_METAL:  # the emulated-Metal builds (never on the Hub) alone have them
     from ._metal_emu import metal_dispatches, reset_metal_dispatches
 
     __all__ += ["metal_dispatches", "reset_metal_dispatches"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ggml_runtime import FLOAT32_RANGE, check_dim, check_dtype, dtype_name, fits_float32, info
+from ._ggml_runtime import FLOAT32_RANGE, METAL, check_dim, check_dtype, dtype_name, fits_float32
 
 MAX_HEAD_DIM = 1024
 # ggml-metal's flash-attention kernels: the (key, value) head dim pairs upstream instantiates them
@@ -18,7 +18,7 @@ METAL_HEAD_DIM_PAIRS = (
     (192, 128), (192, 192), (256, 256), (320, 256), (512, 512), (576, 512),
 )
 METAL_HEAD_DIMS = tuple(sorted({key for key, _ in METAL_HEAD_DIM_PAIRS}))  # the key head dims among them
-_METAL = info()["backend"] == "metal-emu"
+_METAL = METAL
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
 

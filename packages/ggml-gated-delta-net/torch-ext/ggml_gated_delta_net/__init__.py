@@ -40,7 +40,7 @@ import torch
 
 from . import _checks, layers, reference
 from ._checks import HEAD_DIMS
-from ._ggml_runtime import BACKEND, info, same_device
+from ._ggml_runtime import BACKEND, EMULATED_METAL, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -58,7 +58,7 @@ __all__ = [
     "reference",
 ]
 
-if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+if BACKEND in EMULATED_METAL:  # the emulated-Metal builds (never on the Hub) alone have them
     from ._metal_emu import metal_dispatches, reset_metal_dispatches
 
     __all__ += ["metal_dispatches", "reset_metal_dispatches"]

@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import BACKEND, FLOAT32_RANGE, check_dtype, fits_float32, info, same_device
+from ._ggml_runtime import (
+    BACKEND,
+    EMULATED_METAL,
+    FLOAT32_RANGE,
+    check_dtype,
+    fits_float32,
+    info,
+    same_device,
+)
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -24,7 +32,7 @@ __all__ = [
     "rms_norm_gated",
 ]
 
-if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+if BACKEND in EMULATED_METAL:  # the emulated-Metal builds (never on the Hub) alone have them
     from ._metal_emu import metal_dispatches, reset_metal_dispatches
 
     __all__ += ["metal_dispatches", "reset_metal_dispatches"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, layers, reference
-from ._ggml_runtime import BACKEND, check_size, info, same_device
+from ._ggml_runtime import BACKEND, EMULATED_METAL, check_size, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
     IMATRIX_TYPES,
@@ -56,7 +56,7 @@ __all__ = [
     "unrepack",
 ]
 
-if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+if BACKEND in EMULATED_METAL:  # the emulated-Metal builds (never on the Hub) alone have them
     from ._metal_emu import metal_dispatches, reset_metal_dispatches
 
     __all__ += ["metal_dispatches", "reset_metal_dispatches"]

@@ -19,7 +19,7 @@ import operator
 import torch
 
 from . import layers, reference
-from ._ggml_runtime import BACKEND, check_dtype, check_size, dtype_name, info
+from ._ggml_runtime import BACKEND, EMULATED_METAL, check_dtype, check_size, dtype_name, info
 from ._ops import add_op_namespace_prefix, ops
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "top_k_ggml",
 ]
 
-if BACKEND == "metal-emu":  # the emulated-Metal build (build-metal-emu/, never on the Hub) alone has them
+if BACKEND in EMULATED_METAL:  # the emulated-Metal builds (never on the Hub) alone have them
     from ._metal_emu import metal_dispatches, reset_metal_dispatches
 
     __all__ += ["metal_dispatches", "reset_metal_dispatches"]
