@@ -47,7 +47,7 @@ except ImportError:
     ggml_ctypes = None
 
 QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
-TYPES = ["Q4_0", "Q4_K"] if QUICK else ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_K"] if QUICK else ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 MATVEC = {1: [(1024, 3584)]} if QUICK else {m: [(1024, 1024), (3584, 1024), (1024, 3584), (2560, 9216), (9216, 2560)]
                                             for m in (1, 8)}  # M -> (N, K)
 MATMAT = {64: [(1024, 3584)]} if QUICK else {64: [(3584, 1024), (1024, 3584), (9216, 2560)],
@@ -82,11 +82,12 @@ def _copies(t: torch.Tensor, gen: torch.Generator) -> list[torch.Tensor]:
 def _round_like_ggml(x: torch.Tensor, vec_dot_type: str) -> torch.Tensor:
     """x as ggml-cpu sees it after quantizing it to the weight type's vec_dot_type.
 
-    Q8_0: blocks of 32, scale amax/127 stored as fp16, values rounded to nearest (ties to even).
+    Q8_0 (and Q8_1, Q4_1's: the same values, plus a block sum the dot product takes as fp16): blocks of
+    32, scale amax/127 stored as fp16, values rounded to nearest (ties to even).
     Q8_K: blocks of 256, scale from the signed value of largest magnitude, stored as float32.
     """
     m, k = x.shape
-    if vec_dot_type == "Q8_0":
+    if vec_dot_type in ("Q8_0", "Q8_1"):
         b = x.reshape(m, k // 32, 32)
         amax = b.abs().amax(-1, keepdim=True)
         inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -111,22 +112,34 @@ bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
 }
 
-// Rows of activations up to which mul_mat calls ggml-cpu's dot product per (weight row, activation
-// row) itself (a decode step of one sequence). For one row ggml's mul_mat computes exactly these
-// dot products for every type (x86 type traits have nrows == 1, and llamafile's sgemm declines a
-// single column: "only enable sgemm for prompt processing"), so the results are bit-identical,
-// minus the cost of building and planning a graph per slice, which for a decode step's small
-// matrices is a good part of the op. At M = 8 ggml's own blocked loop was faster on large Q4_K
-// weights (0.72x-0.83x: MulMatVec against MulMatVec_ggml in benchmarks/benchmark_mul_mat.py), so
-// more rows keep the graph.
+// How a product of a plain (not repacked) weight runs, by activation rows m. The same rule on every
+// x86 CPU: each path reads the weight in ggml-cpu's own order with ggml-cpu's own dot products,
+// so it is at least as fast as ggml's graph wherever ggml's graph is fast, with nothing tuned to
+// one machine (no CPU feature picks a path: ggml's CPU level picks the instructions).
+//
+//   m     path                                  split over threads              prefetch
+//   1     ggml's vec_dot per weight row,        ggml-cpu's mul_mat's: 64-row    none (as ggml)
+//         no graph (direct_dot_rows)            chunks, a shared counter;
+//                                               < 4 chunks per thread: one run
+//                                               each; >= 64 KiB per thread
+//   2-    ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
+//         graph per slice (mul_mat_slices)      (min_rows_per_task)
+//
+// The one-row path once requested each weight row ~4 KB ahead with prefetchnta and gave each thread
+// one run of rows. On an Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 cores) that made a 9216x2560 Q4_K
+// product 2.25 ms on one thread against ggml's 0.76 ms (1.24 vs 0.39 ms on two), whichever ggml CPU
+// level ran. The likely reason, not measured there: a non-temporal prefetch on those parts fills
+// the L1 alone, so the L2's streaming prefetcher does not see the stream, and each core fetches
+// DRAM at the L1's few outstanding misses. On the AMD EPYC (zen4, 2 cores) the prefetch cost up to
+// 1.5x too: one thread, one process, alternating, thread CPU time (the machine shared, load ~7.5),
+// weights cycled through 128 MB, 9216x2560 Q8_0 2.60 ms with it against 1.98 without, Q4_K 1.73 /
+// 1.48, 2560x9216 Q6_K 2.58 / 1.74, Q4_1 alike (docs/benchmarks.md, "One-row products").
+// For one row ggml's mul_mat computes exactly these dot products for every type (x86 type traits
+// have nrows == 1, and llamafile's sgemm declines a single column), so the results are
+// bit-identical, minus a graph's building and planning, a good part of a decode step's small
+// products. At m = 8 ggml's blocked loop (and its tiled K-quant kernels) was faster on large Q4_K
+// weights, so more rows keep the graph.
 constexpr int64_t kDirectDotRows = 1;
-
-// How far ahead of the row being multiplied its weight rows are requested from memory (software
-// prefetch). A decode step streams every weight from DRAM once, and the hardware prefetchers alone
-// leave the dot products waiting: measured in one process, alternating distances (2 threads,
-// weights cycled through 300 MB): 3584x1024 Q4_K 74.5 -> 66.5 us, 1024x3584 Q6_K 87.9 -> 74.9 us,
-// 1536x576 Q4_1 33.1 -> 30.7 us with rows ~4 KB ahead (1-8 KB alike).
-constexpr int64_t kPrefetchBytes = 4096;
 
 // One packed weight of a one-row product: its rows, its dot product, the activation row quantized
 // to that dot product's type, and where its outputs go.
@@ -178,35 +191,65 @@ int64_t total_bytes(const std::vector<DotRows>& dots) {
   return total;
 }
 
-// Thread t's share of the one-row products `dots`, with ggml-cpu's vec_dot, the weight rows
-// requested kPrefetchBytes ahead.
-void dot_share(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64_t t,
-               int64_t threads) {
-  int64_t base = 0;
-  for (const auto& d : dots) {
-    const auto [r0, r1] = share_rows(total, t, threads, base, d.rows, d.row_bytes);
-    base += d.rows * d.row_bytes;
-    const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + d.row_bytes - 1) / d.row_bytes);
-    for (int64_t i = r0; i < r1; ++i) {
-      if (i + pf_rows < r1) {
-        const char* ahead = reinterpret_cast<const char*>(d.w + (i + pf_rows) * d.stride);
-        for (int64_t off = 0; off < d.row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
-      }
-      d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
+// Rows of one chunk of a one-row product: the chunk ggml-cpu's mul_mat cuts a weight into for a
+// single activation column, so that the threads read the weight in the order ggml's threads do.
+constexpr int64_t kRowsPerChunk = 64;
+// Chunks per thread below which ggml-cpu's mul_mat gives each thread one run of rows instead.
+constexpr int64_t kMinChunksPerThread = 4;
+
+// How the threads divide one-row products: each weight cut into chunks of kRowsPerChunk rows,
+// thread t taking chunk t first and then the next untaken one from a shared counter, as ggml's
+// threads take them; with fewer than kMinChunksPerThread chunks per thread, one run of about equal
+// bytes per thread (share_rows), as ggml gives each thread one run of equal rows.
+struct DotSplit {
+  int64_t threads, total;            // threads and weight bytes of all the products
+  std::vector<int64_t> chunk_start;  // weight i's chunks are [chunk_start[i], chunk_start[i + 1])
+  bool by_chunks;
+  std::atomic<int64_t> next;  // the next chunk no thread has taken
+
+  DotSplit(const std::vector<DotRows>& dots, int64_t threads_, int64_t total_)
+      : threads(threads_), total(total_), chunk_start{0} {
+    for (const auto& d : dots)
+      chunk_start.push_back(chunk_start.back() + (d.rows + kRowsPerChunk - 1) / kRowsPerChunk);
+    by_chunks = chunk_start.back() >= kMinChunksPerThread * threads;
+    next.store(threads, std::memory_order_relaxed);
+  }
+};
+
+// out[r] = W[r] . x for the rows [r0, r1) of one weight, with ggml-cpu's vec_dot, in row order.
+void dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
+  for (int64_t i = r0; i < r1; ++i)
+    d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
+}
+
+// Thread t's share of the one-row products `dots`, divided as `split` says.
+void dot_share(const std::vector<DotRows>& dots, int64_t k, DotSplit& split, int64_t t) {
+  if (!split.by_chunks) {
+    int64_t base = 0;
+    for (const auto& d : dots) {
+      const auto [r0, r1] = share_rows(split.total, t, split.threads, base, d.rows, d.row_bytes);
+      base += d.rows * d.row_bytes;
+      dot_rows_range(d, k, r0, r1);
     }
+    return;
+  }
+  const int64_t chunks = split.chunk_start.back();
+  size_t i = 0;  // the weight of chunk c (chunks only grow within a thread)
+  for (int64_t c = t; c < chunks; c = split.next.fetch_add(1, std::memory_order_relaxed)) {
+    while (c >= split.chunk_start[i + 1]) ++i;
+    const int64_t r0 = (c - split.chunk_start[i]) * kRowsPerChunk;
+    dot_rows_range(dots[i], k, r0, std::min(dots[i].rows, r0 + kRowsPerChunk));
   }
 }
 
 // out_w = x @ W.T for one activation row and every weight W of `dots` (each with k columns), with
-// ggml-cpu's vec_dot. The weights' rows are laid end to end and cut into one contiguous run of
-// about equal bytes per thread: streaming from DRAM, two long runs beat finer chunks taken from a
-// shared counter (A/B in one process, 2 threads: 3584x1024 Q4_K 63.7 -> 56.8 us, 1024x3584
-// Q6_K 75.0 -> 62.8 us against 8 chunks per thread; 2 per thread was in between). Several weights
-// that read the same activations (q/k/v, gate/up) so share one parallel region, and small ones are
-// not left to a single thread.
+// ggml-cpu's vec_dot, the weights' rows divided over the threads as ggml-cpu's mul_mat divides one
+// weight's (DotSplit). Several weights that read the same activations (q/k/v, gate/up) so share one
+// parallel region, and small ones are not left to a single thread.
 void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
-  const int64_t total = total_bytes(dots), threads = threads_for(total);
-  run_shares(threads, [&](int64_t t) { dot_share(dots, k, total, t, threads); });
+  const int64_t total = total_bytes(dots);
+  DotSplit split(dots, threads_for(total), total);
+  run_shares(split.threads, [&](int64_t t) { dot_share(dots, k, split, t); });
 }
 
 DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, at::Tensor& out) {
@@ -228,8 +271,9 @@ DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq,
 constexpr int64_t kDirectDotPairs = 64;
 
 // out (t, n_ids, n)[i, j] = W[ids[i, j]] @ x[i], ggml-cpu's vec_dot on the quantized rows xq (t,
-// *). The (pair, weight row) items are split into one contiguous run per thread, prefetched as in
-// direct_dot_rows.
+// *). The (pair, weight row) items are split into one contiguous run per thread, not prefetched
+// (see kDirectDotRows: on one thread here the prefetch cost 1.1-1.3x on 64-expert 512x2048 Q4_K,
+// Q6_K and Q8_0 experts at 1 and 4 tokens).
 void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k,
                            const at::Tensor& xq, const at::Tensor& ids32, at::Tensor& out) {
   const auto vec_dot = ggml().ggml_get_type_traits_cpu(type)->vec_dot;
@@ -241,17 +285,12 @@ void direct_dot_mul_mat_id(const at::Tensor& blocks, ggml_type type, int64_t k,
   const int64_t expert_stride = blocks.stride(0), row_stride = blocks.stride(1),
                 x_stride = xq.stride(0);
   const int64_t row_bytes = blocks.size(2);
-  const int64_t pf_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
   const int64_t min_items = std::max<int64_t>(16, (int64_t{1} << 16) / row_bytes);
   auto row = [&](int64_t item) {  // weight row of item (pair * n + r)
     return w + id[item / n] * expert_stride + (item % n) * row_stride;
   };
   parallel_chunks(out.size(0) * n_ids * n, min_items, 16, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      if (i + pf_rows < i1) {
-        const char* ahead = reinterpret_cast<const char*>(row(i + pf_rows));
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
-      }
       const int64_t pair = i / n;
       vec_dot(static_cast<int>(k), o + i, 0, row(i), 0, xp + (pair / n_ids) * x_stride, 0, 1);
     }
@@ -524,8 +563,9 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   const int64_t k = x.size(-1), dot_total = total_bytes(dots), rep_total = total_bytes(repacked);
   const int64_t threads = threads_for(dot_total + rep_total);
   const at::Tensor x2 = xf.view({m, k});
+  DotSplit split(dots, threads, dot_total);
   run_shares(threads, [&](int64_t t) {
-    if (dot_total > 0) dot_share(dots, k, dot_total, t, threads);
+    if (dot_total > 0) dot_share(dots, k, split, t);
     if (rep_total > 0) repacked_share(repacked, k, x2, rep_total, t, threads);
   });
   return outs;

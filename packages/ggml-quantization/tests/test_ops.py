@@ -285,6 +285,33 @@ def test_mul_mat_group_decode_shapes_and_threads(gq):
     torch.testing.assert_close(single, gq.mul_mat_vec(weights[0], x.bfloat16(), 3, 576), rtol=0, atol=0)
 
 
+# One activation row runs ggml's vec_dot per weight row without a graph, the rows divided over the
+# threads as ggml-cpu's mul_mat divides them: 64-row chunks from a shared counter, or one run per
+# thread when there are fewer than 4 chunks per thread, and one thread below 64 KiB of weights each
+# (quantization_cpu.cpp, kDirectDotRows). These row counts (2048 columns: 1152-byte Q4_K rows) land
+# on each side of every edge: one thread, one run per thread (4 chunks), exactly 4 chunks per thread,
+# a chunk more, and a last chunk cut short. Every output must be computed once, whatever the split:
+# the first row of a 2-row product, ggml's own mul_mat graph with the same vec_dot per output for
+# these types (no sgemm for them on x86, no tiled kernel below 8 rows), is bit-identical.
+@pytest.mark.parametrize("rows", [1, 63, 65, 200, 512, 513, 1000])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("t", [12, 14, 3], ids=lambda t: TYPE_IDS[t])
+def test_one_row_split_computes_every_row_once(gq, t, rows, threads):
+    blocks, cols = make_weights(gq, t, rows=rows, cols=2048, seed=rows)
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(rows))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        one = gq.mul_mat_vec(blocks, x[:1], t, rows)
+        two = gq.mul_mat_vec(blocks, x, t, rows)
+        (grouped,) = gq.mul_mat_group([blocks], x[:1], [t], [rows])
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one[0], two[0], rtol=0, atol=0)
+    torch.testing.assert_close(grouped, one, rtol=0, atol=0)
+    assert rel_err(one, gq.reference.mul_mat_emulated(blocks, x[:1], t, rows)) < MATMUL_RTOL
+
+
 def test_thread_count_does_not_change_results(gq):
     blocks, cols = make_weights(gq, 12, rows=256)
     x = torch.randn(4, cols)
