@@ -189,7 +189,7 @@ def check_backends(spec: PackageSpec) -> None:
         if k.emulated != backend.emulated:
             folders = ", ".join(f"{b.folder}/" for b in BUILD_KINDS.values() if b.backend == k.backend)
             raise ValueError(f"{where}: [kernel.{k.name}]: emulated = {str(k.emulated).lower()}: the {k.backend} "
-                             f"kernels are built here only as {'emulated builds' if backend.emulated else 'native code'} "
+                             f"kernels are built here only as {'the emulated builds' if backend.emulated else 'native code'} "
                              f"({folders}), emulated = {str(backend.emulated).lower()}")
 
 
