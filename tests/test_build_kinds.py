@@ -10,16 +10,18 @@ from tools.build import build, package_spec
 from tools.testing import builds, metal_builds
 
 
-def test_kinds_name_every_build_folder():
+def test_kinds_name_every_build_folder_the_build_step_makes():
     assert builds.KINDS == {"cpu": "build", "metal-emu": "build-metal-emu", "mps-emu": "build-mps-emu"}
+    assert builds.KINDS == {name: kind.folder for name, kind in build.BUILD_KINDS.items()}
     assert builds.METAL_KINDS == tuple(metal_builds.METAL_BUILDS)
 
 
 @pytest.mark.parametrize("package", build.packages())
-def test_the_build_step_makes_the_cpu_and_emulated_builds(package):
+def test_the_build_step_makes_the_cpu_and_both_emulated_builds(package):
     has_metal = bool(package_spec.load(REPO / "packages" / package).kernels_of("metal"))
     assert builds.made_by_build_step(package, "cpu")
     assert builds.made_by_build_step(package, "metal-emu") == has_metal
+    assert builds.made_by_build_step(package, "mps-emu") == has_metal
 
 
 @pytest.mark.parametrize(("made", "required", "outcome"), [

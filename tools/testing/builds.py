@@ -35,10 +35,7 @@ def made_by_build_step(package: str, kind: str) -> bool:
     kinds of every backend the package's build.toml has kernels for)."""
     from tools.build import build, package_spec
 
-    spec = package_spec.load(REPO / "packages" / package)
-    if hasattr(build, "kinds_of"):
-        return kind in build.kinds_of(spec)
-    return any(b.folder == KINDS[kind] and spec.kernels_of(name) for name, b in build.BACKENDS.items())
+    return kind in build.kinds_of(package_spec.load(REPO / "packages" / package))
 
 
 def exists(package: str, kind: str) -> bool:
