@@ -71,7 +71,7 @@ def test_supports_op_slice_compiles_against_the_layer_header(tmp_path):
     text = metal_runtime.slice_supports_op((metal_dir / "ggml-metal-device.m").read_text())
     cpp = tmp_path / "metal_supports_op.cpp"
     cpp.write_text(mps_slice(text))
-    _compile_all([[GXX, "-std=c++17", "-fsyntax-only", f"-I{MPS}", f"-isystem{tree / 'include'}",
+    _compile_all([[GXX, "-std=c++17", "-fsyntax-only", f"-I{MPS}", f"-I{MPS.parent}", f"-isystem{tree / 'include'}",
                    f"-isystem{tree / 'src'}", f"-isystem{metal_dir}", str(cpp)]])
 
 

@@ -383,6 +383,7 @@ TWIN_RUNTIME = "libggml-kernels-metal-twin.so"
 TWIN_LAYER = ["mps_device.cpp", "mps_context.cpp", METAL_CPP_IMPL.name]
 TWIN_PLATFORM = FAKE_DIR / "mps_platform_fake.cpp"  # mps_platform.h on Linux: uses torch's tensors
 DEVICE_API = REPO / "common" / "metal" / "metal_device_api.cpp"
+DEVICE_CORE = REPO / "common" / "metal" / "device_core.h"  # what the layer shares with the emulated device
 
 
 def twin_dir() -> Path:
@@ -422,7 +423,8 @@ def runtime_link_objects(runtime: Path) -> list[Path]:
 def _stage_layer(staged: Path) -> None:
     """The layer's sources and headers, the device API and the platform part into the cache."""
     staged.mkdir(parents=True, exist_ok=True)
-    for path in [*MPS_DIR.glob("*.cpp"), *MPS_DIR.glob("*.h"), DEVICE_API, DEVICE_API.with_suffix(".h"), TWIN_PLATFORM]:
+    for path in [*MPS_DIR.glob("*.cpp"), *MPS_DIR.glob("*.h"), DEVICE_API, DEVICE_API.with_suffix(".h"), DEVICE_CORE,
+                 TWIN_PLATFORM]:
         files.write_if_changed(staged / path.name, path.read_text())
 
 

@@ -3,20 +3,17 @@
 // dispatches go to the executor, in order. Transfers are synchronous copies into the buffers' host
 // memory. Plus the dispatch log's C API.
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <stdexcept>
+#include <map>
 #include <string>
 
 #include "emu_runtime.h"
 #include "ggml-impl.h"
-#include "ggml-metal-common.h"
-#include "ggml-metal-context.h"
 #include "ggml-metal-fusion.h"
-#include "ggml-metal-ops.h"
 #include "metal_emu.h"
 
 using namespace ggml_kernels::metal;
+namespace device_core = ggml_kernels::device_core;
 
 namespace {
 
@@ -46,15 +43,6 @@ void set_execute(bool execute) { g_execute.store(execute); }
 bool execute() { return g_execute.load(); }
 }  // namespace ggml_kernels::metal
 
-struct ggml_metal {
-  ggml_metal_device_t dev = nullptr;
-  std::string name;
-  bool use_concurrency = true;
-  bool use_graph_optimize = true;
-  int debug_graph = 0;
-  ggml_metal_event_t ev_cpy = nullptr;
-};
-
 namespace {
 
 // Host memory of a tensor's bytes [offset, offset + size), found by its device address.
@@ -65,67 +53,22 @@ uint8_t* tensor_bytes(const ggml_tensor* t, size_t offset, size_t size) {
   return host_address(buf, addr, size);
 }
 
-void append_json_string(std::string& out, const std::string& s) {
-  out += '"';
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  out += '"';
-}
-
+// The log's record of a dispatch: buffers by the emulator's ids, and what running it found.
 std::string dispatch_json(const Dispatch& d) {
-  std::string j = "{\"kernel\":";
-  append_json_string(j, d.kernel);
-  j += ",\"pipeline\":";
-  append_json_string(j, d.pipeline);
-  j += ",\"grid\":[" + std::to_string(d.grid[0]) + "," + std::to_string(d.grid[1]) + "," +
-       std::to_string(d.grid[2]) + "],\"threads\":[" + std::to_string(d.threads[0]) + "," +
-       std::to_string(d.threads[1]) + "," + std::to_string(d.threads[2]) + "],\"constants\":{";
-  bool first = true;
-  for (const auto& [idx, c] : d.constants) {
-    j += (first ? "\"" : ",\"") + std::to_string(idx) + "\":" + std::to_string(c.value);
-    first = false;
-  }
-  j += "},\"threadgroup_memory\":{";
-  first = true;
-  for (const auto& [idx, size] : d.threadgroup_memory) {
-    j += (first ? "\"" : ",\"") + std::to_string(idx) + "\":" + std::to_string(size);
-    first = false;
-  }
-  j += "},\"threadgroup_overrun\":" + std::to_string(d.threadgroup_overrun);
-  j += ",\"buffers\":{";
-  first = true;
-  for (const auto& [idx, b] : d.bindings) {
-    j += (first ? "\"" : ",\"") + std::to_string(idx) + "\":";
-    j += b.bytes.empty() ? "[" + std::to_string(b.buffer) + "," + std::to_string(b.offset) + "]"
-                         : "{\"bytes\":" + std::to_string(b.bytes.size()) + "}";
-    first = false;
-  }
-  return j + "}}";
+  std::map<int, std::string> args;
+  for (const auto& [idx, b] : d.bindings)
+    args[idx] = b.bytes.empty() ? device_core::buffer_arg_json(b.buffer, b.offset)
+                                : device_core::bytes_arg_json(b.bytes.size());
+  return device_core::dispatch_json({d.kernel, d.pipeline, d.grid, d.threads, d.constants,
+                                     d.threadgroup_memory, &d.threadgroup_overrun, args});
 }
 
 }  // namespace
 
 extern "C" {
 
-ggml_metal_t ggml_metal_init(ggml_metal_device_t dev) {
-  auto* ctx = new ggml_metal();
-  ctx->dev = dev;
-  ctx->name = ggml_metal_device_get_props(dev)->name;
-  ctx->use_concurrency = std::getenv("GGML_METAL_CONCURRENCY_DISABLE") == nullptr;
-  ctx->use_graph_optimize = std::getenv("GGML_METAL_GRAPH_OPTIMIZE_DISABLE") == nullptr;
-  const char* debug = std::getenv("GGML_METAL_GRAPH_DEBUG");
-  ctx->debug_graph = debug ? std::atoi(debug) : 0;
-  ctx->ev_cpy = ggml_metal_device_event_init(dev);
-  return ctx;
-}
-
-void ggml_metal_free(ggml_metal_t ctx) {
-  if (ctx == nullptr) return;
-  ggml_metal_device_event_free(ctx->dev, ctx->ev_cpy);
-  delete ctx;
-}
+ggml_metal_t ggml_metal_init(ggml_metal_device_t dev) { return device_core::new_context(dev); }
+void ggml_metal_free(ggml_metal_t ctx) { device_core::free_context(ctx); }
 
 const char* ggml_metal_get_name(ggml_metal_t ctx) { return ctx->name.c_str(); }
 
@@ -149,22 +92,9 @@ bool ggml_metal_cpy_tensor_async(ggml_metal_t, ggml_metal_t, const struct ggml_t
 }
 
 enum ggml_status ggml_metal_graph_compute(ggml_metal_t ctx, struct ggml_cgraph* gf) {
-  t_last_error.clear();
   LoggingExecutor executor;
   ggml_metal_command_buffer cmd_buf{&executor};
-  ggml_metal_op_t op =
-      ggml_metal_op_init(ctx->dev, &cmd_buf, gf, ggml_metal_device_get_fusion_info(ctx->dev), 0,
-                         ggml_graph_n_nodes(gf), ctx->use_concurrency, false, ctx->debug_graph);
-  try {
-    for (int idx = 0; idx < ggml_metal_op_n_nodes(op);) {
-      const int consumed = ggml_metal_op_encode(op, idx);
-      if (consumed == 0) break;
-      idx += consumed;
-    }
-  } catch (const std::exception& e) {
-    t_last_error = e.what();
-  }
-  ggml_metal_op_free(op);
+  t_last_error = device_core::encode_graph(ctx, &cmd_buf, gf, "ggml-kernels Metal");
   return t_last_error.empty() ? GGML_STATUS_SUCCESS : GGML_STATUS_FAILED;
 }
 
@@ -178,37 +108,16 @@ ggml_metal_event_t ggml_metal_get_ev_cpy(ggml_metal_t ctx) { return ctx->ev_cpy;
 void ggml_metal_set_n_cb(ggml_metal_t, int) {}
 void ggml_metal_set_abort_callback(ggml_metal_t, ggml_abort_callback, void*) {}
 bool ggml_metal_supports_family(ggml_metal_t ctx, int family) {
-  return family <= ggml_metal_device_get_props(ctx->dev)->gpu_family;
+  return device_core::supports_family(ctx, family);
 }
 void ggml_metal_capture_next_compute(ggml_metal_t) {}
 
-namespace {
-size_t copy_out(const std::string& text, char* out, size_t capacity) {
-  if (out != nullptr && capacity > 0) {
-    const size_t n = std::min(capacity - 1, text.size());
-    std::memcpy(out, text.data(), n);
-    out[n] = '\0';
-  }
-  return text.size();
-}
-}  // namespace
-
 size_t gk_metal_dispatches_json(char* out, size_t capacity) {
-  std::string text = "[";
-  for (const Dispatch& d : DispatchLog::instance().records()) {
-    if (text.size() > 1) text += ",";
-    text += dispatch_json(d);
-  }
-  return copy_out(text + "]", out, capacity);
+  return device_core::copy_out(DispatchLog::instance().records_json(dispatch_json), out, capacity);
 }
 
 size_t gk_metal_threadgroups_json(char* out, size_t capacity) {
-  std::string text = "{";
-  for (const auto& [kernel, count] : DispatchLog::instance().threadgroups()) {
-    if (text.size() > 1) text += ",";
-    text += "\"" + kernel + "\":" + std::to_string(count);
-  }
-  return copy_out(text + "}", out, capacity);
+  return device_core::copy_out(DispatchLog::instance().threadgroups_json(), out, capacity);
 }
 
 void gk_metal_dispatches_reset(void) { DispatchLog::instance().reset(); }

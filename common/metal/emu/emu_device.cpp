@@ -70,28 +70,6 @@ DispatchLog& DispatchLog::instance() {
   return log;
 }
 
-void DispatchLog::dispatch(const Dispatch& d) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (records_.size() < kMaxRecords) records_.push_back(d);
-  threadgroups_[d.kernel] += int64_t{d.grid[0]} * d.grid[1] * d.grid[2];
-}
-
-std::map<std::string, int64_t> DispatchLog::threadgroups() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return threadgroups_;
-}
-
-std::vector<Dispatch> DispatchLog::records() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return records_;
-}
-
-void DispatchLog::reset() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  records_.clear();
-  threadgroups_.clear();
-}
-
 ggml_metal_buffer* find_buffer(uintptr_t addr, size_t size) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);

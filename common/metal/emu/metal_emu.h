@@ -24,18 +24,16 @@
 #include <unordered_map>
 #include <vector>
 
+#include "device_core.h"  // what every device layer does the same way
 #include "ggml-metal-device.h"
 #include "metal_device_api.h"  // the C API of every device layer: the dispatch log
 #include "metal_emu_api.h"     // the emulator's instrumentation
 
 namespace ggml_kernels::metal {
 
-// A function-constant value as the host set it (index -> value; bools and ints kept apart).
-struct Constant {
-  enum class Kind { Bool, Int16, Int32 } kind;
-  int32_t value;
-};
-using Constants = std::map<int32_t, Constant>;
+// Function constants as the host set them (device_core.h: the same in every device layer).
+using Constant = device_core::Constant;
+using Constants = device_core::Constants;
 
 // One buffer binding or inline-bytes argument of a dispatch, by argument index.
 struct Binding {
@@ -67,22 +65,11 @@ class Executor {
   virtual void barrier() {}
 };
 
-// The dispatches since the last reset, per process: kernel name -> threadgroups dispatched, and
-// the full records (what tests inspect) of the first kMaxRecords (a model run in emulation makes
-// many more; the counts go on).
-class DispatchLog : public Executor {
+// The dispatch log (device_core.h's), fed as an executor: every dispatch in full.
+class DispatchLog : public Executor, public device_core::RecordLog<Dispatch> {
  public:
-  static constexpr size_t kMaxRecords = 20000;
   static DispatchLog& instance();
-  void dispatch(const Dispatch& d) override;
-  std::vector<Dispatch> records() const;
-  std::map<std::string, int64_t> threadgroups() const;
-  void reset();
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<Dispatch> records_;
-  std::map<std::string, int64_t> threadgroups_;
+  void dispatch(const Dispatch& d) override { add(d, d.kernel, d.grid); }
 };
 
 }  // namespace ggml_kernels::metal

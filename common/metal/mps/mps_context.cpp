@@ -4,18 +4,12 @@
 // so it runs in order with torch's own work on that stream. Plus the dispatch log and the C API of
 // metal_device_api.h.
 #include <Metal/Metal.hpp>
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "ggml-backend-impl.h"
 #include "ggml-impl.h"
-#include "ggml-metal-common.h"
-#include "ggml-metal-context.h"
 #include "ggml-metal-fusion.h"
-#include "ggml-metal-ops.h"
 #include "metal_device_api.h"
 #include "mps_device.h"
 #include "mps_platform.h"
@@ -28,96 +22,25 @@ DispatchLog& DispatchLog::instance() {
 }
 
 void DispatchLog::add(const DispatchRecord& d) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (records_.size() < kMaxRecords) records_.push_back(d);
-  threadgroups_[d.pipeline->kernel] += int64_t{d.grid[0]} * d.grid[1] * d.grid[2];
+  device_core::RecordLog<DispatchRecord>::add(d, d.pipeline->kernel, d.grid);
 }
-
-void DispatchLog::reset() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  records_.clear();
-  threadgroups_.clear();
-}
-
-namespace {
-
-void append_json_string(std::string& out, const std::string& s) {
-  out += '"';
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  out += '"';
-}
-
-template <typename Map, typename Value>
-void append_json_map(std::string& out, const char* key, const Map& map, const Value& value) {
-  out += std::string(",\"") + key + "\":{";
-  bool first = true;
-  for (const auto& [idx, v] : map) {
-    out += (first ? "\"" : ",\"") + std::to_string(idx) + "\":" + value(v);
-    first = false;
-  }
-  out += "}";
-}
-
-// The emulated device's record format; a buffer is numbered by its first appearance in the log.
-std::string record_json(const DispatchRecord& d, std::map<const MTL::Buffer*, int>& ids) {
-  std::string j = "{\"kernel\":";
-  append_json_string(j, d.pipeline->kernel);
-  j += ",\"pipeline\":";
-  append_json_string(j, d.pipeline->name);
-  j += ",\"grid\":[" + std::to_string(d.grid[0]) + "," + std::to_string(d.grid[1]) + "," +
-       std::to_string(d.grid[2]) + "],\"threads\":[" + std::to_string(d.threads[0]) + "," +
-       std::to_string(d.threads[1]) + "," + std::to_string(d.threads[2]) + "]";
-  append_json_map(j, "constants", d.pipeline->constants,
-                  [](const Constant& c) { return std::to_string(c.value); });
-  append_json_map(j, "threadgroup_memory", d.threadgroup_memory,
-                  [](size_t n) { return std::to_string(n); });
-  std::map<int, std::string> args;
-  for (const auto& [idx, b] : d.buffers) {
-    const int id = ids.emplace(b.first, static_cast<int>(ids.size()) + 1).first->second;
-    args[idx] = "[" + std::to_string(id) + "," + std::to_string(b.second) + "]";
-  }
-  for (const auto& [idx, n] : d.bytes) args[idx] = "{\"bytes\":" + std::to_string(n) + "}";
-  append_json_map(j, "buffers", args, [](const std::string& v) { return v; });
-  return j + "}";
-}
-
-}  // namespace
 
 std::string DispatchLog::records_json() const {
-  std::lock_guard<std::mutex> lock(mutex_);
   std::map<const MTL::Buffer*, int> ids;
-  std::string text = "[";
-  for (const DispatchRecord& d : records_) {
-    if (text.size() > 1) text += ",";
-    text += record_json(d, ids);
-  }
-  return text + "]";
-}
-
-std::string DispatchLog::threadgroups_json() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::string text = "{";
-  for (const auto& [kernel, count] : threadgroups_) {
-    if (text.size() > 1) text += ",";
-    append_json_string(text, kernel);
-    text += ":" + std::to_string(count);
-  }
-  return text + "}";
+  return device_core::RecordLog<DispatchRecord>::records_json([&ids](const DispatchRecord& d) {
+    std::map<int, std::string> args;
+    for (const auto& [idx, b] : d.buffers) {
+      const int id = ids.emplace(b.first, static_cast<int>(ids.size()) + 1).first->second;
+      args[idx] = device_core::buffer_arg_json(id, b.second);
+    }
+    for (const auto& [idx, n] : d.bytes) args[idx] = device_core::bytes_arg_json(n);
+    // a GPU cannot tell threadgroup-memory overruns: no "threadgroup_overrun"
+    return device_core::dispatch_json({d.pipeline->kernel, d.pipeline->name, d.grid, d.threads,
+                                       d.pipeline->constants, d.threadgroup_memory, nullptr, args});
+  });
 }
 
 }  // namespace ggml_kernels::mps
-
-struct ggml_metal {
-  ggml_metal_device_t dev = nullptr;
-  std::string name;
-  bool use_concurrency = true;
-  bool use_graph_optimize = true;
-  int debug_graph = 0;
-  ggml_metal_event_t ev_cpy = nullptr;
-};
 
 namespace {
 
@@ -134,22 +57,7 @@ struct GraphEncoding {
 
   void encode(MTL::ComputeCommandEncoder* encoder) {
     ggml_metal_command_buffer cmd_buf{encoder};
-    ggml_metal_op_t op = nullptr;
-    try {
-      op = ggml_metal_op_init(
-          ctx->dev, &cmd_buf, graph, ggml_metal_device_get_fusion_info(ctx->dev), 0,
-          ggml_graph_n_nodes(graph), ctx->use_concurrency, false, ctx->debug_graph);
-      for (int idx = 0; idx < ggml_metal_op_n_nodes(op);) {
-        const int consumed = ggml_metal_op_encode(op, idx);
-        if (consumed == 0) break;
-        idx += consumed;
-      }
-    } catch (const std::exception& e) {
-      error = e.what();
-    } catch (...) {
-      error = "ggml-kernels MPS: an unknown error while encoding a graph";
-    }
-    if (op != nullptr) ggml_metal_op_free(op);
+    error = ggml_kernels::device_core::encode_graph(ctx, &cmd_buf, graph, "ggml-kernels MPS");
   }
 };
 
@@ -166,22 +74,9 @@ ggml_metal_buffer_t buffer_of(const ggml_tensor* t) {
 extern "C" {
 
 ggml_metal_t ggml_metal_init(ggml_metal_device_t dev) {
-  auto* ctx = new ggml_metal();
-  ctx->dev = dev;
-  ctx->name = ggml_metal_device_get_props(dev)->name;
-  ctx->use_concurrency = std::getenv("GGML_METAL_CONCURRENCY_DISABLE") == nullptr;
-  ctx->use_graph_optimize = std::getenv("GGML_METAL_GRAPH_OPTIMIZE_DISABLE") == nullptr;
-  const char* debug = std::getenv("GGML_METAL_GRAPH_DEBUG");
-  ctx->debug_graph = debug ? std::atoi(debug) : 0;
-  ctx->ev_cpy = ggml_metal_device_event_init(dev);
-  return ctx;
+  return ggml_kernels::device_core::new_context(dev);
 }
-
-void ggml_metal_free(ggml_metal_t ctx) {
-  if (ctx == nullptr) return;
-  ggml_metal_device_event_free(ctx->dev, ctx->ev_cpy);
-  delete ctx;
-}
+void ggml_metal_free(ggml_metal_t ctx) { ggml_kernels::device_core::free_context(ctx); }
 
 const char* ggml_metal_get_name(ggml_metal_t ctx) { return ctx->name.c_str(); }
 
@@ -223,29 +118,20 @@ ggml_metal_event_t ggml_metal_get_ev_cpy(ggml_metal_t ctx) { return ctx->ev_cpy;
 void ggml_metal_set_n_cb(ggml_metal_t, int) {}
 void ggml_metal_set_abort_callback(ggml_metal_t, ggml_abort_callback, void*) {}
 bool ggml_metal_supports_family(ggml_metal_t ctx, int family) {
-  return family <= ggml_metal_device_get_props(ctx->dev)->gpu_family;
+  return ggml_kernels::device_core::supports_family(ctx, family);
 }
 void ggml_metal_capture_next_compute(ggml_metal_t) {}
 
 // ---- the C API of metal_device_api.h ----
 
-namespace {
-size_t copy_out(const std::string& text, char* out, size_t capacity) {
-  if (out != nullptr && capacity > 0) {
-    const size_t n = std::min(capacity - 1, text.size());
-    std::memcpy(out, text.data(), n);
-    out[n] = '\0';
-  }
-  return text.size();
-}
-}  // namespace
-
 size_t gk_metal_dispatches_json(char* out, size_t capacity) {
-  return copy_out(ggml_kernels::mps::DispatchLog::instance().records_json(), out, capacity);
+  return ggml_kernels::device_core::copy_out(
+      ggml_kernels::mps::DispatchLog::instance().records_json(), out, capacity);
 }
 
 size_t gk_metal_threadgroups_json(char* out, size_t capacity) {
-  return copy_out(ggml_kernels::mps::DispatchLog::instance().threadgroups_json(), out, capacity);
+  return ggml_kernels::device_core::copy_out(
+      ggml_kernels::mps::DispatchLog::instance().threadgroups_json(), out, capacity);
 }
 
 void gk_metal_dispatches_reset(void) { ggml_kernels::mps::DispatchLog::instance().reset(); }

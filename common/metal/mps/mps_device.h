@@ -30,6 +30,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "device_core.h"  // what every device layer does the same way
 #include "ggml-metal-device.h"
 
 namespace MTL {
@@ -43,14 +44,10 @@ class Library;
 
 namespace ggml_kernels::mps {
 
-// A function-constant value as the host set it: index -> (type, value). Kept beside the Metal
-// object so that pipelines are cached by name *and* constants.
-struct Constant {
-  enum class Kind { Bool, Int16, Int32 } kind;
-  int32_t value;
-  bool operator==(const Constant& o) const { return kind == o.kind && value == o.value; }
-};
-using Constants = std::map<int32_t, Constant>;
+// Function constants as the host set them, kept beside the Metal object so that pipelines are
+// cached by name *and* constants (device_core.h: the same in every device layer).
+using Constant = device_core::Constant;
+using Constants = device_core::Constants;
 
 // The message of the last failure of this layer on this thread ("" when none).
 std::string& last_error();
@@ -67,21 +64,13 @@ struct DispatchRecord {
   std::map<int, size_t> threadgroup_memory;  // threadgroup index -> bytes
 };
 
-// The dispatches since the last reset: the first kMaxRecords in full, threadgroups per kernel of
-// all (a model's run makes many more).
-class DispatchLog {
+// The dispatch log (device_core.h's) of this layer's records.
+class DispatchLog : public device_core::RecordLog<DispatchRecord> {
  public:
-  static constexpr size_t kMaxRecords = 20000;
   static DispatchLog& instance();
   void add(const DispatchRecord& d);
+  // The emulated device's record format; a buffer is numbered by its first appearance in the log.
   std::string records_json() const;
-  std::string threadgroups_json() const;
-  void reset();
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<DispatchRecord> records_;
-  std::map<std::string, int64_t> threadgroups_;
 };
 
 }  // namespace ggml_kernels::mps
