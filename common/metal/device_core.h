@@ -1,14 +1,14 @@
 // What every device layer of metal_device_api.h does the same way, whatever its device: the
-// emulated device (common/metal/emu/) and the MPS device layer (common/metal/mps/) both build on it.
-// Header-only and free of Apple types, so the emulated layer stays without any and the MPS layer
-// stays one source for darwin and its Linux twin. What a layer does its own way stays in it, with
-// the reason there:
+// emulated device (common/metal/emu/) and the MPS device layer (common/metal/mps/) both build on
+// it. Header-only and free of Apple types, so the emulated layer stays without any and the MPS
+// layer stays one source for darwin and its Linux twin. What a layer does its own way stays in it,
+// with the reason there:
 //   - function constants as the host set them (the pipeline cache's key with the name);
 //   - the dispatch log (records and threadgroups per kernel) and its JSON, the C API's format;
 //   - the backend context of ggml-metal-context.h and the loop that encodes a graph with upstream's
 //     ggml_metal_op_*.
-// Include it after upstream's ggml-metal-device.h (the context part needs ggml-metal-context.h and
-// ggml-metal-ops.h, included here).
+// It includes upstream's ggml-metal-device.h, -context.h and -ops.h: whoever includes it compiles
+// with ggml's src/ggml-metal on the include path, as every device layer does.
 #pragma once
 
 #include <algorithm>
@@ -77,11 +77,15 @@ struct DispatchFields {
   const std::map<int, std::string>& args;
 };
 
-inline std::string buffer_arg_json(uint64_t id, size_t offset) {
+// size_t ids: std::to_string of unsigned long long is not among the libc++ symbols a darwin build
+// may import (tools/build/darwin.py's stubs).
+inline std::string buffer_arg_json(size_t id, size_t offset) {
   return "[" + std::to_string(id) + "," + std::to_string(offset) + "]";
 }
 
-inline std::string bytes_arg_json(size_t size) { return "{\"bytes\":" + std::to_string(size) + "}"; }
+inline std::string bytes_arg_json(size_t size) {
+  return "{\"bytes\":" + std::to_string(size) + "}";
+}
 
 inline std::string dispatch_json(const DispatchFields& d) {
   std::string j = "{\"kernel\":";
