@@ -47,3 +47,23 @@ def test_an_unknown_kind_is_refused():
 def test_the_cpu_kind_is_the_build_transformers_loads():
     module = builds.load_build("topk", "cpu")
     assert module.info()["backend"] == "cpu" and "metal_dispatches" not in module.__all__
+
+
+@pytest.mark.parametrize("named, kinds, expected", [
+    ("", tuple(builds.KINDS), tuple(builds.KINDS)),
+    ("metal-emu,mps-emu", tuple(builds.KINDS), ("metal-emu", "mps-emu")),
+    ("mps-emu", ("metal-emu",), ()),
+    # on a Mac (nox -s mac): the darwin variant runs where its Linux twin would, nothing else
+    ("mps", tuple(builds.KINDS), ("mps",)),
+    ("mps", ("metal-emu",), ()),
+    ("mps", ("cpu",), ()),
+])
+def test_the_kinds_a_run_selects(monkeypatch, named, kinds, expected):
+    monkeypatch.setenv("GGML_KERNELS_TEST_BUILDS", named)
+    assert builds.selected(kinds) == expected
+
+
+def test_an_unknown_selected_kind_is_named(monkeypatch):
+    monkeypatch.setenv("GGML_KERNELS_TEST_BUILDS", "metal")
+    with pytest.raises(ValueError, match="unknown build kinds.*'metal'"):
+        builds.selected(tuple(builds.KINDS))

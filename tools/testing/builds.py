@@ -11,6 +11,9 @@ package (tools/build/build.py) and is missing fails the test: a failed build mus
 tests. A kind the build step does not make yet is skipped, with the reason, unless
 GGML_KERNELS_REQUIRE_BUILDS is set (then every kind must exist).
 
+GGML_KERNELS_TEST_BUILDS narrows the kinds (mps_builds.selected_kinds: `metal-emu,mps-emu`, or `mps`
+on a Mac, where "mps", a package's darwin variant on MPS tensors, runs wherever its twin mps-emu would).
+
 The emulator is slow (a metal-emu call costs 10-1000 CPU calls, an mps-emu call twice that: it runs
 on the twin and on metal-emu), so heavy Metal cases keep a representative subset in the fast tier:
 `slow_on("mps-emu")` puts a test or parameter value in the slow tier on those kinds only.
@@ -23,7 +26,7 @@ import os
 import pytest
 
 from tools import REPO
-from tools.testing import kernel_testing, metal_builds
+from tools.testing import kernel_testing, metal_builds, mps_builds
 
 KINDS = {"cpu": "build", **metal_builds.METAL_BUILDS}  # kind -> packages/<name>/<folder>/
 METAL_KINDS = tuple(metal_builds.METAL_BUILDS)
@@ -45,6 +48,8 @@ def exists(package: str, kind: str) -> bool:
 def load_build(package: str, kind: str):
     """The package's build of `kind`, loaded as users load it: the CPU build through kernels.get_kernel
     (its Hub id, as transformers does), a Metal one through metal_builds.load_metal."""
+    if kind == mps_builds.KIND:
+        return mps_builds.load_mps(package)
     if kind not in KINDS:
         raise ValueError(f"no build kind {kind!r} (only {', '.join(KINDS)})")
     if not exists(package, kind):
@@ -65,7 +70,15 @@ def each_build(name: str, package: str, kinds: tuple[str, ...] = tuple(KINDS)):
     def fixture(request):
         return load_build(package, request.param)
 
-    return pytest.fixture(scope="session", name=name, params=list(kinds), ids=list(kinds))(fixture)
+    chosen = list(selected(kinds))
+    return pytest.fixture(scope="session", name=name, params=chosen, ids=chosen)(fixture)
+
+
+def selected(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """`kinds` narrowed to those GGML_KERNELS_TEST_BUILDS names; "mps" wherever its Linux twin,
+    "mps-emu", is among them."""
+    named = mps_builds.selected_kinds(tuple(KINDS))
+    return tuple(k for k in named if k in kinds or (k == mps_builds.KIND and "mps-emu" in kinds))
 
 
 def slow_on(*kinds: str):
