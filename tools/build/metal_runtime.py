@@ -31,11 +31,11 @@ HOST_SOURCES = [
 ]
 # ours, staged into one folder of the cache (the compile commands name no path of the checkout):
 # the interface a Metal device layer implements, its build-time check and what every layer shares
-# (common/metal/: metal_device_api.{h,cpp}, device_core.h), and the
+# (common/metal/: metal_device_api.{h,cpp}, device_core.h, device_core_functions.h), and the
 # emulated device (common/metal/emu/): our device layer (emu_device.cpp, emu_context.cpp, metal_emu.h),
 # the emulator's runtime and executor, and the MSL shim the translated kernels compile against
 METAL_DIR = REPO / "common" / "metal"
-INTERFACE_FILES = ["metal_device_api.h", "metal_device_api.cpp", "device_core.h"]
+INTERFACE_FILES = ["metal_device_api.h", "metal_device_api.cpp", "device_core.h", "device_core_functions.h"]
 DEVICE_DIR = METAL_DIR / "emu"
 MSL_HEADERS = ["msl.h", "msl_types.h", "msl_math.h", "msl_simd.h", "msl_simdgroup_matrix.h"]
 DEVICE_FILES = ["metal_emu.h", "metal_emu_api.h", "emu_device.cpp", "emu_context.cpp", "emu_runtime.h", "emu_runtime.cpp",

@@ -383,7 +383,8 @@ TWIN_RUNTIME = "libggml-kernels-metal-twin.so"
 TWIN_LAYER = ["mps_device.cpp", "mps_context.cpp", METAL_CPP_IMPL.name]
 TWIN_PLATFORM = FAKE_DIR / "mps_platform_fake.cpp"  # mps_platform.h on Linux: uses torch's tensors
 DEVICE_API = REPO / "common" / "metal" / "metal_device_api.cpp"
-DEVICE_CORE = REPO / "common" / "metal" / "device_core.h"  # what the layer shares with the emulated device
+# what the layer shares with the emulated device
+DEVICE_CORE = [REPO / "common" / "metal" / f for f in ("device_core.h", "device_core_functions.h")]
 
 
 def twin_dir() -> Path:
@@ -423,7 +424,7 @@ def runtime_link_objects(runtime: Path) -> list[Path]:
 def _stage_layer(staged: Path) -> None:
     """The layer's sources and headers, the device API and the platform part into the cache."""
     staged.mkdir(parents=True, exist_ok=True)
-    for path in [*MPS_DIR.glob("*.cpp"), *MPS_DIR.glob("*.h"), DEVICE_API, DEVICE_API.with_suffix(".h"), DEVICE_CORE,
+    for path in [*MPS_DIR.glob("*.cpp"), *MPS_DIR.glob("*.h"), DEVICE_API, DEVICE_API.with_suffix(".h"), *DEVICE_CORE,
                  TWIN_PLATFORM]:
         files.write_if_changed(staged / path.name, path.read_text())
 

@@ -135,8 +135,6 @@ ggml_metal_library_t ggml_metal_library_init_from_source(ggml_metal_device_t dev
 
 void ggml_metal_library_free(ggml_metal_library_t lib) { delete lib; }
 
-ggml_metal_device_t ggml_metal_library_get_device(ggml_metal_library_t lib) { return lib->device; }
-
 struct ggml_metal_pipeline_with_params ggml_metal_library_get_pipeline(ggml_metal_library_t lib,
                                                                        const char* name) {
   std::lock_guard<std::mutex> lock(lib->mutex);
@@ -179,8 +177,6 @@ ggml_metal_encoder_t ggml_metal_encoder_init(ggml_metal_cmd_buf_t cmd_buf_raw, b
 }
 
 void ggml_metal_encoder_free(ggml_metal_encoder_t encoder) { delete encoder; }
-void ggml_metal_encoder_debug_group_push(ggml_metal_encoder_t, const char*) {}
-void ggml_metal_encoder_debug_group_pop(ggml_metal_encoder_t) {}
 
 void ggml_metal_encoder_set_pipeline(ggml_metal_encoder_t encoder,
                                      struct ggml_metal_pipeline_with_params pipeline) {
@@ -226,28 +222,11 @@ void ggml_metal_encoder_memory_barrier(ggml_metal_encoder_t encoder) {
 
 void ggml_metal_encoder_end_encoding(ggml_metal_encoder_t) {}
 
-// ---- residency sets and events: nothing to keep resident, work completes when committed ----
+// ---- events (the rest: device_core_functions.h): work completes when committed ----
 
-ggml_metal_rsets_t ggml_metal_rsets_init(ggml_metal_device_t) { return nullptr; }
-void ggml_metal_rsets_free(ggml_metal_rsets_t) {}
-void ggml_metal_device_rsets_add(ggml_metal_device_t, ggml_metal_rset_t) {}
-void ggml_metal_device_rsets_rm(ggml_metal_device_t, ggml_metal_rset_t) {}
-void ggml_metal_device_rsets_keep_alive(ggml_metal_device_t) {}
-
-struct ggml_metal_event {
-  int unused = 0;
-};
-void ggml_metal_event_encode_signal(ggml_metal_event_t, ggml_metal_cmd_buf_t) {}
-void ggml_metal_event_encode_wait(ggml_metal_event_t, ggml_metal_cmd_buf_t) {}
-ggml_metal_event_t ggml_metal_device_event_init(ggml_metal_device_t) {
-  return new ggml_metal_event();
-}
-void ggml_metal_device_event_free(ggml_metal_device_t, ggml_metal_event_t ev) { delete ev; }
 void ggml_metal_device_event_synchronize(ggml_metal_device_t, ggml_metal_event_t) {}
 
 // ---- the device ----
-
-const char* ggml_metal_device_id_token(enum ggml_metal_device_id) { return "generic"; }
 
 ggml_metal_device_t ggml_metal_device_init(int device, int) {
   auto* dev = new ggml_metal_device();
@@ -268,19 +247,6 @@ void* ggml_metal_device_get_queue(ggml_metal_device_t dev) { return dev; }
 
 ggml_metal_library_t ggml_metal_device_get_library(ggml_metal_device_t dev) {
   return dev->library.get();
-}
-
-void ggml_metal_device_get_memory(ggml_metal_device_t dev, size_t* free, size_t* total) {
-  *total = dev->props.max_working_set_size;
-  *free = *total;
-}
-
-const struct ggml_metal_device_props* ggml_metal_device_get_props(ggml_metal_device_t dev) {
-  return &dev->props;
-}
-
-struct ggml_metal_fusion_info* ggml_metal_device_get_fusion_info(ggml_metal_device_t dev) {
-  return dev->fusion;
 }
 
 // ---- buffers: virtual address ranges over host memory ----
@@ -314,10 +280,6 @@ void ggml_metal_buffer_free(ggml_metal_buffer_t buf) {
     r.by_base.erase(buf->base);
   }
   delete buf;
-}
-
-void* ggml_metal_buffer_get_base(ggml_metal_buffer_t buf) {
-  return reinterpret_cast<void*>(buf->base);
 }
 
 bool ggml_metal_buffer_is_shared(ggml_metal_buffer_t) { return false; }
@@ -364,3 +326,5 @@ struct ggml_metal_buffer_id ggml_metal_buffer_get_id(ggml_metal_buffer_t buf,
 }
 
 }  // extern "C"
+
+#include "device_core_functions.h"  // what every device layer defines the same way

@@ -286,8 +286,6 @@ void ggml_metal_library_free(ggml_metal_library_t lib) {
   delete lib;
 }
 
-ggml_metal_device_t ggml_metal_library_get_device(ggml_metal_library_t lib) { return lib->device; }
-
 struct ggml_metal_pipeline_with_params ggml_metal_library_get_pipeline(ggml_metal_library_t lib,
                                                                        const char* name) {
   std::lock_guard<std::mutex> lock(lib->mutex);
@@ -338,8 +336,6 @@ ggml_metal_encoder_t ggml_metal_encoder_init(ggml_metal_cmd_buf_t cmd_buf, bool)
 }
 
 void ggml_metal_encoder_free(ggml_metal_encoder_t encoder) { delete encoder; }
-void ggml_metal_encoder_debug_group_push(ggml_metal_encoder_t, const char*) {}
-void ggml_metal_encoder_debug_group_pop(ggml_metal_encoder_t) {}
 
 void ggml_metal_encoder_set_pipeline(ggml_metal_encoder_t encoder,
                                      struct ggml_metal_pipeline_with_params pipeline) {
@@ -385,30 +381,13 @@ void ggml_metal_encoder_memory_barrier(ggml_metal_encoder_t encoder) {
 // The encoder is the stream's: torch ends it when it next needs its command buffer.
 void ggml_metal_encoder_end_encoding(ggml_metal_encoder_t) {}
 
-// ---- residency sets and events: torch keeps its buffers resident and orders its stream ----
+// ---- events (the rest: device_core_functions.h): waiting is synchronizing torch's stream ----
 
-ggml_metal_rsets_t ggml_metal_rsets_init(ggml_metal_device_t) { return nullptr; }
-void ggml_metal_rsets_free(ggml_metal_rsets_t) {}
-void ggml_metal_device_rsets_add(ggml_metal_device_t, ggml_metal_rset_t) {}
-void ggml_metal_device_rsets_rm(ggml_metal_device_t, ggml_metal_rset_t) {}
-void ggml_metal_device_rsets_keep_alive(ggml_metal_device_t) {}
-
-struct ggml_metal_event {
-  int unused = 0;
-};
-void ggml_metal_event_encode_signal(ggml_metal_event_t, ggml_metal_cmd_buf_t) {}
-void ggml_metal_event_encode_wait(ggml_metal_event_t, ggml_metal_cmd_buf_t) {}
-ggml_metal_event_t ggml_metal_device_event_init(ggml_metal_device_t) {
-  return new ggml_metal_event();
-}
-void ggml_metal_device_event_free(ggml_metal_device_t, ggml_metal_event_t ev) { delete ev; }
 void ggml_metal_device_event_synchronize(ggml_metal_device_t, ggml_metal_event_t) {
   ggml_kernels::mps::synchronize();
 }
 
 // ---- the device: torch's ----
-
-const char* ggml_metal_device_id_token(enum ggml_metal_device_id) { return "generic"; }
 
 ggml_metal_device_t ggml_metal_device_init(int device, int) {
   MTL::Device* mtl = ggml_kernels::mps::device();
@@ -432,19 +411,6 @@ void* ggml_metal_device_get_obj(ggml_metal_device_t dev) { return dev->mtl; }
 void* ggml_metal_device_get_queue(ggml_metal_device_t) { return nullptr; }  // torch's stream's
 
 ggml_metal_library_t ggml_metal_device_get_library(ggml_metal_device_t dev) { return dev->library; }
-
-void ggml_metal_device_get_memory(ggml_metal_device_t dev, size_t* free, size_t* total) {
-  *total = dev->props.max_working_set_size;
-  *free = *total;
-}
-
-const struct ggml_metal_device_props* ggml_metal_device_get_props(ggml_metal_device_t dev) {
-  return &dev->props;
-}
-
-struct ggml_metal_fusion_info* ggml_metal_device_get_fusion_info(ggml_metal_device_t dev) {
-  return dev->fusion;
-}
 
 // ---- buffers ----
 
@@ -483,10 +449,6 @@ void ggml_metal_buffer_free(ggml_metal_buffer_t buf) {
   address_space().remove(buf);
   if (buf->owned) buf->mtl->release();
   delete buf;
-}
-
-void* ggml_metal_buffer_get_base(ggml_metal_buffer_t buf) {
-  return reinterpret_cast<void*>(buf->base);
 }
 
 // Mapped (torch's) buffers use upstream's "shared" interface, allocated ones its "private" one.
@@ -531,3 +493,5 @@ struct ggml_metal_buffer_id ggml_metal_buffer_get_id(ggml_metal_buffer_t buf,
 }
 
 }  // extern "C"
+
+#include "device_core_functions.h"  // what every device layer defines the same way
