@@ -187,5 +187,6 @@ def both_schedules(module, fn, *args, overruns: frozenset[str] = frozenset(), **
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes (NaN payloads included), whatever its strides."""
-    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
+    """t's bytes (NaN payloads included), whatever its strides (flat: a dense tensor may keep any
+    stride on a dim of size 1, which a byte view refuses)."""
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
