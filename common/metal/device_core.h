@@ -6,7 +6,7 @@
 //   - function constants as the host set them (the pipeline cache's key with the name);
 //   - the dispatch log (records and threadgroups per kernel) and its JSON, the C API's format;
 //   - the backend context of ggml-metal-context.h and the loop that encodes a graph with upstream's
-//     ggml_metal_op_*.
+//     ggml_metal_op_* (the functions that are the same in every layer: device_core_functions.h).
 // It includes upstream's ggml-metal-device.h, -context.h and -ops.h: whoever includes it compiles
 // with ggml's src/ggml-metal on the include path, as every device layer does.
 #pragma once
@@ -193,24 +193,6 @@ struct ggml_metal {
 
 namespace ggml_kernels::device_core {
 
-inline ggml_metal_t new_context(ggml_metal_device_t dev) {
-  auto* ctx = new ggml_metal();
-  ctx->dev = dev;
-  ctx->name = ggml_metal_device_get_props(dev)->name;
-  ctx->use_concurrency = std::getenv("GGML_METAL_CONCURRENCY_DISABLE") == nullptr;
-  ctx->use_graph_optimize = std::getenv("GGML_METAL_GRAPH_OPTIMIZE_DISABLE") == nullptr;
-  const char* debug = std::getenv("GGML_METAL_GRAPH_DEBUG");
-  ctx->debug_graph = debug ? std::atoi(debug) : 0;
-  ctx->ev_cpy = ggml_metal_device_event_init(dev);
-  return ctx;
-}
-
-inline void free_context(ggml_metal_t ctx) {
-  if (ctx == nullptr) return;
-  ggml_metal_device_event_free(ctx->dev, ctx->ev_cpy);
-  delete ctx;
-}
-
 // Encodes the whole graph with upstream's ggml_metal_op_* into `cmd_buf`, in one command buffer
 // (upstream's n_cb split is for overlapping its own command buffers, which no layer has). Throws
 // nothing: returns the failure's message ("" when none), `layer` naming who failed on an exception
@@ -235,10 +217,6 @@ inline std::string encode_graph(ggml_metal_t ctx, ggml_metal_cmd_buf_t cmd_buf, 
   }
   if (op != nullptr) ggml_metal_op_free(op);
   return error;
-}
-
-inline bool supports_family(ggml_metal_t ctx, int family) {
-  return family <= ggml_metal_device_get_props(ctx->dev)->gpu_family;
 }
 
 }  // namespace ggml_kernels::device_core

@@ -67,11 +67,6 @@ std::string dispatch_json(const Dispatch& d) {
 
 extern "C" {
 
-ggml_metal_t ggml_metal_init(ggml_metal_device_t dev) { return device_core::new_context(dev); }
-void ggml_metal_free(ggml_metal_t ctx) { device_core::free_context(ctx); }
-
-const char* ggml_metal_get_name(ggml_metal_t ctx) { return ctx->name.c_str(); }
-
 void ggml_metal_synchronize(ggml_metal_t) {}
 
 void ggml_metal_set_tensor_async(ggml_metal_t, struct ggml_tensor* tensor, const void* data,
@@ -97,20 +92,6 @@ enum ggml_status ggml_metal_graph_compute(ggml_metal_t ctx, struct ggml_cgraph* 
   t_last_error = device_core::encode_graph(ctx, &cmd_buf, gf, "ggml-kernels Metal");
   return t_last_error.empty() ? GGML_STATUS_SUCCESS : GGML_STATUS_FAILED;
 }
-
-void ggml_metal_graph_optimize(ggml_metal_t ctx, struct ggml_cgraph* gf) {
-  if (ctx->use_graph_optimize) ggml_graph_optimize(gf);
-}
-
-void ggml_metal_event_record(ggml_metal_t, ggml_metal_event_t) {}
-void ggml_metal_event_wait(ggml_metal_t, ggml_metal_event_t) {}
-ggml_metal_event_t ggml_metal_get_ev_cpy(ggml_metal_t ctx) { return ctx->ev_cpy; }
-void ggml_metal_set_n_cb(ggml_metal_t, int) {}
-void ggml_metal_set_abort_callback(ggml_metal_t, ggml_abort_callback, void*) {}
-bool ggml_metal_supports_family(ggml_metal_t ctx, int family) {
-  return device_core::supports_family(ctx, family);
-}
-void ggml_metal_capture_next_compute(ggml_metal_t) {}
 
 size_t gk_metal_dispatches_json(char* out, size_t capacity) {
   return device_core::copy_out(DispatchLog::instance().records_json(dispatch_json), out, capacity);

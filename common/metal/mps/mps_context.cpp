@@ -73,13 +73,6 @@ ggml_metal_buffer_t buffer_of(const ggml_tensor* t) {
 
 extern "C" {
 
-ggml_metal_t ggml_metal_init(ggml_metal_device_t dev) {
-  return ggml_kernels::device_core::new_context(dev);
-}
-void ggml_metal_free(ggml_metal_t ctx) { ggml_kernels::device_core::free_context(ctx); }
-
-const char* ggml_metal_get_name(ggml_metal_t ctx) { return ctx->name.c_str(); }
-
 void ggml_metal_synchronize(ggml_metal_t) { ggml_kernels::mps::synchronize(); }
 
 // Through the host only where the buffer's storage is shared (ggml_metal_buffer_set_tensor says
@@ -107,20 +100,6 @@ enum ggml_status ggml_metal_graph_compute(ggml_metal_t ctx, struct ggml_cgraph* 
   last_error = encoding.error;
   return last_error.empty() ? GGML_STATUS_SUCCESS : GGML_STATUS_FAILED;
 }
-
-void ggml_metal_graph_optimize(ggml_metal_t ctx, struct ggml_cgraph* gf) {
-  if (ctx->use_graph_optimize) ggml_graph_optimize(gf);
-}
-
-void ggml_metal_event_record(ggml_metal_t, ggml_metal_event_t) {}
-void ggml_metal_event_wait(ggml_metal_t, ggml_metal_event_t) {}
-ggml_metal_event_t ggml_metal_get_ev_cpy(ggml_metal_t ctx) { return ctx->ev_cpy; }
-void ggml_metal_set_n_cb(ggml_metal_t, int) {}
-void ggml_metal_set_abort_callback(ggml_metal_t, ggml_abort_callback, void*) {}
-bool ggml_metal_supports_family(ggml_metal_t ctx, int family) {
-  return ggml_kernels::device_core::supports_family(ctx, family);
-}
-void ggml_metal_capture_next_compute(ggml_metal_t) {}
 
 // ---- the C API of metal_device_api.h ----
 
