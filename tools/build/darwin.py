@@ -243,7 +243,7 @@ def build_extension(spec: package_spec.PackageSpec, tc: Compilers, torch: TorchM
         macho_check.check_file(so, allowed)  # before it lands in build/
 
     out = pkg / "build" / variant
-    glue = build.python_glue(build.BACKENDS["cpu"])  # common/python only: no emulator module
+    glue = build.python_glue(build.BUILD_KINDS["cpu"])  # common/python only: no emulator module
     # the runtime holds metal-cpp's compiled code (Apache-2.0): its licence travels with it
     notice = runtime.parent / METAL_CPP_LICENSE
     files.copy_if_changed(tc.metal_cpp / "LICENSE.txt", notice)
