@@ -40,7 +40,7 @@ def test_the_build_loads_the_twin_runtime_from_beside_itself(twin):
     package, module = twin
     info = module.info()
     assert info["backend"] == "mps-emu", info
-    variant = next((REPO / "packages" / package / FOLDER).glob("torch*-cpu-*"))
+    variant = REPO / "packages" / package / FOLDER / build.torch_variant()
     assert info["runtime"] == str(variant / mps_runtime.TWIN_RUNTIME)
     assert TWIN_LIBRARIES <= {p.name for p in variant.iterdir()}
     # the framework beside it is the one tests/test_mps_emu_fake.py checks (same bytes)

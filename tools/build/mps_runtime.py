@@ -59,6 +59,7 @@ FAKE_SOURCES = ["fake_metal.cpp", "fake_metal_api.cpp", "fake_mps_stream.cpp", "
 FAKE_HEADERS = ["fake_mps.h", "fake_mps_stream.h"]
 # metal-cpp's one implementation unit, the device layer's (both platforms compile it)
 METAL_CPP_IMPL = REPO / "common" / "metal" / "mps" / "metal_cpp_impl.cpp"
+TORCH_STD = "-std=c++20"  # after CXXFLAGS' (the last -std wins) where torch's headers are read: 2.14+ need C++20
 CXXFLAGS = ["-std=c++17", "-fblocks", "-fPIC", "-O2", "-g", "-pthread", "-Wall", "-Wno-unused-function"]
 LINK_LIBS = [f"-l:{OBJC_RUNTIME}", "-pthread", "-lm", "-ldl"]
 LIBRARY = "libggml-kernels-fake-metal.so"
@@ -464,7 +465,7 @@ def twin_runtime(jobs: int | None = None) -> Path:
 
     ggml = [f"-isystem{tree / 'include'}", f"-isystem{tree / 'src'}", f"-isystem{metal_dir}"]
     clang = CXXFLAGS + [f"-I{out_dir() / 'src' / 'shims'}", f"-I{metal_cpp()}", f"-I{staged}"]
-    torch = [f"-isystem{p}" for p in ext.include_paths()]
+    torch = [TORCH_STD] + [f"-isystem{p}" for p in ext.include_paths()]
     n = ninja.NinjaFile()
     n.rule("clang", f"{CLANG} -MMD -MF $out.d $flags -c $in -o $out", "CXX $out", depfile=True)
     n.rule("gxx", "g++ -MMD -MF $out.d -std=gnu++17 -O2 -fPIC -pthread $flags -c $in -o $out", "CXX $out", depfile=True)
