@@ -144,11 +144,12 @@ def packages() -> list[str]:
 
 
 def torch_variant() -> str:
-    import torch
+    """The CPU build's variant folder name for the running torch, by the integration's rule
+    (locate.cpu_variant, read from this checkout's file): users find builds by it, so it is the one
+    source. kernels 0.17.2 names variants only to match folders that exist (its naming is private)."""
+    from tools.testing.kernel_testing import integration_locate
 
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
-    return f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
+    return integration_locate().cpu_variant()
 
 
 def hash_files(files, extra: str) -> str:
