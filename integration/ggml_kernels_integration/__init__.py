@@ -34,6 +34,8 @@ machine without a Mac (slow); `metal_dispatches()` then lists the Metal kernels 
 `enable(backend="mps-emu")` does the same on the MPS device layer's Linux twin
 (`packages/<name>/build-mps-emu`: the layer a Mac runs on torch's MPS stream, here over a fake Metal
 framework and MPS stream executing on the emulated device); `locate.BACKENDS` lists the backends.
+On an Apple-silicon Mac, `enable(backend="mps")` takes the packages' darwin variants
+(`packages/<name>/build/torch<XY>-metal-aarch64-darwin`) and the model runs on torch's "mps" device.
 
 It is all or nothing: every change goes through one undo log (`patching.PatchSet`), so a failure
 midway leaves transformers as it was, and `disable()` restores every attribute it changed; models
@@ -112,8 +114,10 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
 
     backend: "cpu" (ggml-cpu, the default), "metal-emu" (upstream's Metal backend on the emulated
         device: every package's build-metal-emu build) or "mps-emu" (the MPS device layer's Linux
-        twin: every package's build-mps-emu build). On both Metal backends all five packages are
-        required, and dense_prefill and repack_weights, ggml-cpu paths, stay off.
+        twin: every package's build-mps-emu build) or "mps" (an Apple-silicon Mac with macOS >= 26:
+        every package's darwin variant, on torch's MPS device; elsewhere a RuntimeError). On the
+        Metal backends all five packages are required, and dense_prefill and repack_weights,
+        ggml-cpu paths, stay off.
     dense_prefill: prefill matmuls on block-32 weights take `dense_prefill` (ggml's dequantize and a
         bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
         matmul (8-bit activations, as llama.cpp). The last call's value holds.
@@ -130,6 +134,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
     or `RuntimeError` (no build found) before changing anything; any other failure undoes what was
     changed."""
     on_metal = locate.backend_of(backend).metal
+    locate.check_host(backend)
     if on_metal and repack_weights:
         raise ValueError("repack_weights holds weights in ggml-cpu's layout: it needs backend='cpu'")
     if is_enabled() and backend != _active["backend"]:
@@ -147,7 +152,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         raise RuntimeError(locate.not_found_message(backend, missing))
     patches = PatchSet()
     try:
-        _install(patches, ours, report_loads)
+        _install(patches, ours, report_loads, backend)
     except BaseException:
         patches.restore()
         raise
@@ -185,8 +190,8 @@ def _loaded_packages() -> list:
 
 
 def _check_metal(caller: str) -> None:
-    if backend() is None or not locate.BACKENDS[backend()].metal:
-        metal = " or ".join(repr(name) for name, entry in locate.BACKENDS.items() if entry.metal)
+    if backend() is None or not locate.BACKENDS[backend()].emulated:
+        metal = " or ".join(repr(name) for name, entry in locate.BACKENDS.items() if entry.emulated)
         raise RuntimeError(f"{caller}() needs enable(backend={metal}), enabled: {backend()!r}")
 
 
@@ -221,14 +226,14 @@ def summary(model) -> report.Summary:
     return report.summary(model, LAYER_KERNELS)
 
 
-def _install(patches: PatchSet, ours: dict, report_loads: bool) -> None:
+def _install(patches: PatchSet, ours: dict, report_loads: bool, backend: str) -> None:
     import kernels
     from transformers.integrations.gguf import kernels as gguf_kernels
 
     _point_hub_ids_at(patches, ours)
     kernels_gate.install(patches, ours)  # transformers 5.23 with kernels 0.17: its GGUF path uses them
     patches.set_attr(gguf_kernels, "_gguf_kernel", None)  # forget a lookup made before enable()
-    _map_layer_kernels(patches, ours)
+    _map_layer_kernels(patches, ours, backend)
     archs.register(patches)  # llama files (SmolLM2, ...) kept packed too
     _release_mapped_pages_after_each_tensor(patches)
     write = None
@@ -273,7 +278,7 @@ def _point_hub_ids_at(patches: PatchSet, ours: dict) -> None:
     patches.wrap(hub_kernels, "get_kernel", make)
 
 
-def _map_layer_kernels(patches: PatchSet, ours: dict) -> None:
+def _map_layer_kernels(patches: PatchSet, ours: dict, backend: str) -> None:
     """Layer kernels for the devices we build for, from the build folder itself (no Hub call, no
     backend guess). transformers drops a layer whose every entry does not load, and its "mps" entries
     ask the Hub for a version, so a layer we build replaces transformers' entry instead of joining it."""
@@ -285,8 +290,8 @@ def _map_layer_kernels(patches: PatchSet, ours: dict) -> None:
             out = original_mapping()
             for layer, (repo_id, layer_class) in LAYER_KERNELS.items():
                 if repo_id in ours:
-                    repo = LocalLayerRepository(repo_path=locate.variant_dir(ours[repo_id]), layer_name=layer_class)
-                    out[layer] = {"cpu": {Mode.INFERENCE: repo}}
+                    repo = LocalLayerRepository(repo_path=locate.variant_dir(ours[repo_id], backend), layer_name=layer_class)
+                    out[layer] = {locate.BACKENDS[backend].device: {Mode.INFERENCE: repo}}
             return out
 
         return layer_mapping

@@ -12,12 +12,16 @@ after `nox -s build`, or a kernel repository downloaded from the Hub. Looked up,
 A package folder holds one build per backend (`BACKENDS`): `build/` (CPU), `build-metal-emu/`
 (upstream's Metal backend on the emulated device, CPU tensors) and `build-mps-emu/` (the MPS device
 layer on its Linux twin: the fake Metal framework and MPS stream over the emulated device, CPU
-tensors); `builds(backend)` picks the backend's folder.
+tensors); `builds(backend)` picks the backend's folder. On an Apple-silicon Mac the "mps" backend
+takes the darwin variants beside the CPU ones in `build/` (`torch<XY>-metal-aarch64-darwin`, MPS
+tensors), which kernels picks by itself there: its backend is Metal wherever torch has an MPS
+device, and it loads a Metal variant on macOS >= 26 only.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,29 +36,82 @@ HUB_IDS = (QUANTIZATION, "ggml-org/ggml-norm", ATTENTION, "ggml-org/ggml-gated-d
 CHECKOUT_PACKAGES = Path(__file__).resolve().parents[2] / "packages"
 
 
+LINUX_CPU = "cpu-x86_64-linux"  # the arch part of a CPU build's variant name
+DARWIN_METAL = "metal-aarch64-darwin"  # the arch part of a darwin (MPS) build's variant name
+MIN_MACOS = "26.0"  # kernels loads a Metal variant on macOS >= 26 only (the darwin builds' deployment target)
+
+
 @dataclass(frozen=True)
 class Backend:
     """What `enable(backend=...)` loads and what it may do there."""
 
     folder: str  # the build folder inside a package folder
     # upstream's Metal host code picks each kernel: every package is required (a call left on a CPU
-    # build would not be checked), the builds log their Metal dispatches (`metal_dispatches()`), and
-    # the ggml-cpu paths (dense_prefill, repack_weights) stay off
+    # build would not be checked) and the ggml-cpu paths (dense_prefill, repack_weights) stay off
     metal: bool
+    device: str = "cpu"  # where the model's tensors are, the device the layer kernels are mapped for
+    arch: str = LINUX_CPU  # the variant name's arch part
+
+    @property
+    def emulated(self) -> bool:
+        """Metal on the emulated device: the builds log their Metal dispatches (`metal_dispatches()`)."""
+        return self.metal and self.device == "cpu"
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """The Hub ids enable() cannot run without."""
+        return HUB_IDS if self.metal else (QUANTIZATION,)
+
+    def variant(self, torch_version: str | None = None) -> str:
+        """The variant folder name of this backend's builds for `torch_version` (default: the running
+        torch), as kernels names them: Linux builds carry the C++ ABI, darwin builds none."""
+        major, minor = (torch_version or torch.__version__).split("+")[0].split(".")[:2]
+        if not self.arch.endswith("-linux"):
+            return f"torch{major}{minor}-{self.arch}"
+        abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
+        return f"torch{major}{minor}-{abi}-{self.arch}"
 
 
 BACKENDS = {
     "cpu": Backend("build", metal=False),
     "metal-emu": Backend("build-metal-emu", metal=True),
     "mps-emu": Backend("build-mps-emu", metal=True),
+    # the darwin variants, beside the CPU ones in build/, on torch's MPS device
+    "mps": Backend("build", metal=True, device="mps", arch=DARWIN_METAL),
 }
 
 
 def cpu_variant() -> str:
     """The variant folder name of a CPU build for the running torch."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
-    return f"torch{major}{minor}-{abi}-cpu-x86_64-linux"
+    return BACKENDS["cpu"].variant()
+
+
+def host_problem(backend: str) -> str | None:
+    """Why this machine cannot run `backend`, or None: the "mps" backend needs an Apple-silicon Mac
+    with macOS >= `MIN_MACOS` and torch's MPS device; the others run anywhere our builds load."""
+    if backend_of(backend).device != "mps":
+        return None
+    system, machine, macos = platform.system(), platform.machine(), platform.mac_ver()[0]
+    mps = torch.backends.mps.is_available()
+    if system == "Darwin" and machine == "arm64" and _version(macos) >= _version(MIN_MACOS) and mps:
+        return None
+    here = f"macOS {macos or 'unknown'} {machine}" if system == "Darwin" else f"{system or 'an unknown system'} {machine}"
+    return (f"the {backend} backend needs macOS {MIN_MACOS} or later on Apple silicon with torch's MPS device; "
+            f"this machine is {here}, torch {torch.__version__} (MPS device available: {mps})")
+
+
+def check_host(backend: str) -> None:
+    """RuntimeError saying `host_problem(backend)`, if there is one."""
+    problem = host_problem(backend)
+    if problem:
+        raise RuntimeError(problem)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split("."))
+    except ValueError:
+        return (0,)
 
 
 def backend_kwargs() -> dict:
@@ -62,9 +119,10 @@ def backend_kwargs() -> dict:
     return {"backend": "cpu"} if torch.version.cuda else {}
 
 
-def variant_dir(kernel_folder: Path) -> Path | None:
-    """The CPU variant folder for this torch inside a kernel folder, or None."""
-    for candidate in (kernel_folder / cpu_variant(), kernel_folder / "build" / cpu_variant()):
+def variant_dir(kernel_folder: Path, backend: str = "cpu") -> Path | None:
+    """The variant folder of `backend` for this torch inside a kernel folder, or None."""
+    name = backend_of(backend).variant()
+    for candidate in (kernel_folder / name, kernel_folder / "build" / name):
         if (candidate / "__init__.py").is_file():
             return candidate
     return None
@@ -103,13 +161,13 @@ def backend_of(name: str) -> Backend:
 
 def required(backend: str) -> tuple[str, ...]:
     """The Hub ids `enable(backend=...)` cannot run without."""
-    return HUB_IDS if backend_of(backend).metal else (QUANTIZATION,)
+    return backend_of(backend).required
 
 
 def _for_backend(folder: Path, backend: str) -> Path:
-    """The kernel folder of `backend` in a package folder (the folder itself for the CPU, whose
-    variants kernels finds under build/); a kernel folder stays as it is."""
-    if backend == "cpu" or not (folder / "build.toml").is_file():
+    """The kernel folder of `backend` in a package folder (the folder itself for the builds in build/,
+    whose variants kernels finds there); a kernel folder stays as it is."""
+    if BACKENDS[backend].folder == "build" or not (folder / "build.toml").is_file():
         return folder
     return folder / BACKENDS[backend].folder
 
@@ -127,14 +185,16 @@ def builds(backend: str = "cpu") -> dict[str, Path]:
         for source in sources:
             folder = source.get(repo_id)
             folder = None if folder is None else _for_backend(folder, backend)
-            if folder is not None and variant_dir(folder) is not None:
+            if folder is not None and variant_dir(folder, backend) is not None:
                 out[repo_id] = folder
                 break
     return out
 
 
 def not_found_message(backend: str = "cpu", missing: tuple[str, ...] = (QUANTIZATION,)) -> str:
+    how = ("in a checkout build the darwin variants (`nox -s mac` on the Mac, or `nox -s build-darwin` on Linux)"
+           if backend_of(backend).device == "mps" else "in a checkout run `nox -s build`")
     return (
-        f"no {backend} build of {', '.join(missing)} for {cpu_variant()} was found: set {BUILDS_ENV} to "
-        f"the kernel folders (or `<hub id>=<folder>` entries), or in a checkout run `nox -s build`"
+        f"no {backend} build of {', '.join(missing)} for {backend_of(backend).variant()} was found: set {BUILDS_ENV} to "
+        f"the kernel folders (or `<hub id>=<folder>` entries), or {how}"
     )
