@@ -156,8 +156,9 @@ if backend != "none":
     import ggml_kernels_integration as gk
     gk.enable(backend=backend)
 tok = AutoTokenizer.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1])
+# loaded on the device: transformers grafts the layer kernels for the device the model is on at load
 model = AutoModelForCausalLM.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1],
-                                             dtype=torch.float32).eval().to(device)
+                                             dtype=torch.float32, device_map=device).eval()
 x = torch.tensor([tok("The quick brown fox jumps over the lazy dog. Once upon a time")["input_ids"][:12]], device=device)
 with torch.inference_mode():
     logits = model(x).logits[0].float().cpu()
