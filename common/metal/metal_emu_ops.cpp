@@ -1,21 +1,14 @@
-// The emulated-Metal build's own ops (build-metal-emu/ only; _metal_emu.py wraps them): the log of
-// what upstream's host code dispatched, and how the emulator schedules a SIMD group's lanes.
+// The emulated-Metal build's own ops (build-metal-emu/ only): emulator_ops.h's, over the runtime's
+// emulated device, which logs the dispatches and schedules a SIMD group's lanes itself.
 #include <dlfcn.h>
 
-#include <string>
-
 #include "emu/metal_emu_api.h"
+#include "metal/emulator_ops.h"
 #include "registration.h"
 
 namespace {
 
 using namespace ggml_kernels;
-
-std::string json(size_t (*write)(char*, size_t)) {
-  std::string text(write(nullptr, 0) + 1, '\0');
-  text.resize(write(text.data(), text.size()));
-  return text;
-}
 
 // The emulator's own function of the loaded runtime (not in GgmlApi: no other runtime has it).
 decltype(&gk_metal_set_lane_schedule) lane_schedule_function() {
@@ -26,17 +19,13 @@ decltype(&gk_metal_set_lane_schedule) lane_schedule_function() {
   return reinterpret_cast<decltype(&gk_metal_set_lane_schedule)>(fn);
 }
 
+void set_lane_schedule(int flags) {
+  static const auto set = lane_schedule_function();
+  set(flags);
+}
+
 }  // namespace
 
 GGML_KERNELS_LIBRARY_FRAGMENT(m) {
-  // {kernel: threadgroups dispatched} since load or the last reset, as JSON
-  m.def("metal_threadgroups_json() -> str", [] { return json(ggml().gk_metal_threadgroups_json); });
-  // every dispatch record since load or the last reset, as JSON
-  m.def("metal_dispatches_json() -> str", [] { return json(ggml().gk_metal_dispatches_json); });
-  m.def("metal_reset_dispatches() -> ()", [] { ggml().gk_metal_dispatches_reset(); });
-  // lane schedule flags (GK_METAL_LANES_REVERSE, GK_METAL_LANES_NO_CONVERGENCE)
-  m.def("metal_set_lane_schedule(int flags) -> ()", [](int64_t flags) {
-    static const auto set = lane_schedule_function();
-    set(static_cast<int>(flags));
-  });
+  emulator_ops::define(m, {nullptr, set_lane_schedule});  // the dispatch log is the runtime's
 }

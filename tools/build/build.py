@@ -115,14 +115,17 @@ def mps_twin(jobs: int | None) -> Platform:
         toolchain=mps_runtime.clang_version())
 
 
+# what both emulated Metal kinds' sources include of common/metal/ (in their extensions' keys): the
+# part of the backend the emulated device's and the MPS layer's share, and the instrumentation ops
+METAL_EMU_SHARED = ("metal/backend_core.h", "metal/emulator_ops.h")
 BUILD_KINDS = {
     "cpu": BuildKind("cpu", "build", "cpu", ("cpu/cpu_backend.cpp",), (), "CPU", ggml_runtime.libraries),
     # upstream's Metal backend on the emulated device: CPU tensors, and the emulator's instrumentation
-    "metal-emu": BuildKind("metal", "build-metal-emu", "metal_emu", ("metal/metal_backend.cpp", "metal/metal_emu_ops.cpp"),
+    "metal-emu": BuildKind("metal", "build-metal-emu", "metal_emu", (*METAL_EMU_SHARED, "metal/metal_backend.cpp", "metal/metal_emu_ops.cpp"),
                            ("metal/_metal_emu.py",), "CPU", lambda runtime: [runtime / metal_runtime.LIBRARY]),
     # the MPS backend and device layer (the darwin build's) on the Linux twin: CPU tensors as the
     # MPS storages, the instrumentation of the layer's log and the fake framework's emulator
-    "mps-emu": BuildKind("metal", "build-mps-emu", "mps_emu", ("metal/mps/mps_backend.cpp", "metal/mps_emu/mps_emu_ops.cpp"),
+    "mps-emu": BuildKind("metal", "build-mps-emu", "mps_emu", (*METAL_EMU_SHARED, "metal/mps/mps_backend.cpp", "metal/mps_emu/mps_emu_ops.cpp"),
                          ("metal/_metal_emu.py",), "CPU", lambda runtime: [], mps_twin),
 }
 # local verification libraries beside an extension, never uploaded: the emulated device's _Float16

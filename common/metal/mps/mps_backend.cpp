@@ -12,20 +12,19 @@
 // torch then copies to its place on the same stream. The graph is encoded on the stream after
 // torch's pending work and before what follows; nothing waits, unless the tensors are host memory
 // (the Linux twin's stand-ins for MPS tensors), which must hold their values when the op returns.
+// What this backend does alike with the emulated device's (metal_backend.cpp) is backend_core.h.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
 
-#include <cstring>
 #include <map>
-#include <mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "ggml_torch.h"
-#include "metal_graph.h"
+#include "metal/backend_core.h"
 #include "mps_platform.h"
 
 #ifndef GGML_KERNELS_MPS_RUNTIME  // the build names the runtime library of its platform
@@ -40,7 +39,7 @@
 
 namespace ggml_kernels {
 
-using namespace metal_graph;
+using namespace backend_core;
 
 namespace {
 
@@ -51,29 +50,10 @@ struct MpsApi {
 };
 MpsApi g_mps_api;
 
-struct Device {
-  std::mutex mu;  // one graph at a time: the layer encodes on one stream
-  ggml_backend_t backend = nullptr;
-  ggml_backend_dev_t dev = nullptr;
-  ggml_backend_buffer_type_t buft = nullptr;
-  size_t alignment = 0;
-  size_t max_size = 0;  // the largest buffer the device holds
-};
-
-Device& device() {
-  static Device* dev = [] {
-    const auto& G = ggml();
-    auto* created = new Device();  // lives for the whole process
-    created->backend = G.ggml_backend_metal_init();
-    TORCH_CHECK(created->backend != nullptr,
-                "ggml-kernels: ggml_backend_metal_init() failed: ", G.gk_metal_last_error());
-    created->dev = g_mps_api.get_device(created->backend);
-    created->buft = G.ggml_backend_get_default_buffer_type(created->backend);
-    created->alignment = G.ggml_backend_buft_get_alignment(created->buft);
-    created->max_size = G.ggml_backend_buft_get_max_size(created->buft);
-    return created;
-  }();
-  return *dev;
+// The ggml device of upstream's backend, which wraps the storages' Metal buffers.
+ggml_backend_dev_t backend_device(const Device& dev) {
+  static ggml_backend_dev_t of_backend = g_mps_api.get_device(dev.backend);
+  return of_backend;
 }
 
 // The ggml backend buffers wrapping one graph's torch storages, freed when the graph is encoded
@@ -86,8 +66,9 @@ struct Wrapped {
     for (auto& [mtl, buffer] : buffers) ggml().ggml_backend_buffer_free(buffer);
   }
 
-  // The device address of byte `offset` of t's storage (its buffer wrapped on first use).
-  char* address(Device& dev, const at::Tensor& t, size_t offset) {
+  // The buffer of t's storage (wrapped on first use) and the device address of its byte `offset`.
+  std::pair<ggml_backend_buffer_t, char*> locate(const Device& dev, const at::Tensor& t,
+                                                 size_t offset) {
     MTL::Buffer* mtl = mps::tensor_buffer(t);
     ggml_backend_buffer_t& buffer = buffers[mtl];
     if (buffer == nullptr) {
@@ -95,11 +76,11 @@ struct Wrapped {
       // upstream's mapped buffer takes what it is given: beyond the device's limit is refused here
       TORCH_CHECK_VALUE(size <= dev.max_size, "ggml-metal: a tensor's storage of ", size,
                         " bytes is more than the device's buffers hold (", dev.max_size, ")");
-      buffer = g_mps_api.buffer_from_host_ptr(dev.dev, mtl, size, size);
+      buffer = g_mps_api.buffer_from_host_ptr(backend_device(dev), mtl, size, size);
       TORCH_CHECK(buffer != nullptr, "ggml-kernels MPS: could not wrap a ", size,
                   "-byte MPS storage as a Metal buffer");
     }
-    return static_cast<char*>(ggml().ggml_backend_buffer_get_base(buffer)) + offset;
+    return {buffer, static_cast<char*>(ggml().ggml_backend_buffer_get_base(buffer)) + offset};
   }
 };
 
@@ -126,14 +107,6 @@ void torch_layout(const ggml_tensor* g, std::vector<int64_t>& sizes,
   }
 }
 
-// A result computed in the scratch is laid out densely there.
-void make_dense(ggml_tensor* g) {
-  const auto& G = ggml();
-  g->nb[0] = G.ggml_type_size(g->type);
-  g->nb[1] = G.ggml_row_size(g->type, g->ne[0]);
-  for (int i = 2; i < 4; ++i) g->nb[i] = g->nb[i - 1] * static_cast<size_t>(g->ne[i - 1]);
-}
-
 bool dense(const ggml_tensor* g) {
   const auto& G = ggml();
   size_t expected = G.ggml_type_size(g->type);
@@ -150,7 +123,7 @@ bool dense(const ggml_tensor* g) {
 struct Placement {
   std::unordered_map<ggml_tensor*, at::Tensor> owner;       // tensor -> the torch tensor it lies in
   std::unordered_map<ggml_tensor*, size_t> owner_byte;      // tensor -> its byte in owner's storage
-  std::vector<std::pair<ggml_tensor*, size_t>> scratch;     // tensor -> offset in the scratch
+  std::unordered_map<ggml_tensor*, size_t> scratch;         // tensor -> offset in the scratch
   std::vector<std::pair<ggml_tensor*, at::Tensor>> copies;  // results computed in the scratch
   // results that are views (a reshape of the last node): their bytes are their source's, wherever
   // it is placed; copied to their tensor unless the source lies in that tensor's storage
@@ -167,7 +140,7 @@ size_t byte_offset(const ggml_tensor* g, const at::Tensor& t) {
 // Whether `g` can be computed or read right where it lies in t's storage.
 bool fits_in_place(Device& dev, ggml_tensor* g, const at::Tensor& t, bool result) {
   const size_t at_byte = mps::tensor_offset(t) + byte_offset(g, t);
-  const size_t bytes = result ? room(dev.buft, g) : ggml().ggml_nbytes(g);
+  const size_t bytes = result ? metal_graph::room(dev.buft, g) : ggml().ggml_nbytes(g);
   return (!result || dense(g)) && at_byte + bytes <= t.storage().nbytes();
 }
 
@@ -188,20 +161,19 @@ at::Tensor view_at(const at::Tensor& base, size_t offset, const ggml_tensor* vie
       .set_(base.storage(), static_cast<int64_t>(offset / es), sizes, strides);
 }
 
-Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory& memory,
-                const std::unordered_set<ggml_tensor*>& results) {
+Placement place(Device& dev, const GraphRun& run, GraphMemory& memory) {
   Placement p;
   std::unordered_map<ggml_tensor*, at::Tensor> noted(memory.tensors.begin(), memory.tensors.end());
   TORCH_CHECK(!noted.empty(), "ggml-kernels MPS: a graph with no torch tensor in it");
   p.options = noted.begin()->second.options().dtype(at::kByte);
-  for (ggml_tensor* g : order) {
+  for (ggml_tensor* g : run.order) {
     if (g->view_src != nullptr) {  // placed with its source
       auto it = noted.find(g);
-      if (results.count(g) > 0 && it != noted.end())
+      if (run.is_result(g) && it != noted.end())
         p.view_copies.emplace_back(g, as_placed(g, it->second));
       continue;
     }
-    const bool result = results.count(g) > 0;
+    const bool result = run.is_result(g);
     auto it = noted.find(g);
     if (it == noted.end()) {
       TORCH_CHECK(g->data == nullptr,
@@ -216,17 +188,9 @@ Placement place(Device& dev, const std::vector<ggml_tensor*>& order, GraphMemory
       p.copies.emplace_back(g, as_placed(g, it->second));
       make_dense(g);  // in the scratch (Restore puts its strides back)
     }
-    p.scratch.emplace_back(g, p.scratch_bytes);
-    p.scratch_bytes += aligned(room(dev.buft, g), dev.alignment);
+    p.scratch.emplace(g, take_room(dev, g, p.scratch_bytes));
   }
   return p;
-}
-
-void alloc(ggml_backend_buffer_t buffer, ggml_tensor* g, char* address) {
-  g->data = nullptr;
-  g->buffer = nullptr;
-  TORCH_CHECK(ggml().ggml_backend_tensor_alloc(buffer, g, address) == GGML_STATUS_SUCCESS,
-              "ggml-kernels MPS: could not place a tensor in its Metal buffer");
 }
 
 // A dense torch view of a result computed at byte `offset` of the scratch tensor.
@@ -247,12 +211,8 @@ const bool backend::kSlicesOverThreads = false;
 const bool backend::kNotesTensors = true;
 
 backend::Loaded backend::load(GgmlApi& api) {
-  const std::string path = this_library_dir() + "/" + GGML_KERNELS_MPS_RUNTIME;
-  TORCH_CHECK(file_exists(path), "ggml-kernels: the Metal runtime ", path,
-              " is missing (this build is incomplete)");
-  std::string error;
-  void* handle = open_runtime(path, Functions::Metal, api, error);
-  TORCH_CHECK(handle != nullptr, "ggml-kernels: cannot load the Metal runtime ", path, ": ", error);
+  const auto [path, handle] =
+      load_runtime(api, GGML_KERNELS_MPS_RUNTIME, "this build is incomplete");
   g_mps_api.get_device =
       reinterpret_cast<decltype(g_mps_api.get_device)>(dlsym(handle, "ggml_backend_get_device"));
   g_mps_api.buffer_from_host_ptr = reinterpret_cast<decltype(g_mps_api.buffer_from_host_ptr)>(
@@ -264,20 +224,10 @@ backend::Loaded backend::load(GgmlApi& api) {
 
 void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t count, int,
                         GraphMemory& memory) {
-  const auto& G = ggml();
   Device& dev = device();
-  std::lock_guard<std::mutex> lock(dev.mu);
-  check_supported(dev.backend, graph);
-
-  std::vector<ggml_tensor*> order;
-  std::unordered_set<ggml_tensor*> seen;
-  for (size_t i = 0; i < count; ++i) collect(results[i], order, seen);
-  Restore restore;
-  for (ggml_tensor* t : order) restore.saved.emplace_back(t, *t);
-  const Placement p = place(dev, order, memory, {results, results + count});
-  TORCH_CHECK_VALUE(p.scratch_bytes <= dev.max_size, "ggml-metal: this call needs ",
-                    p.scratch_bytes, " bytes of device memory for its intermediate results; the ",
-                    "device's buffers hold at most ", dev.max_size);
+  GraphRun run(dev, graph, results, count);
+  const Placement p = place(dev, run, memory);
+  check_fits(dev, p.scratch_bytes, "its intermediate results");
 
   Wrapped wrapped;
   at::Tensor scratch;
@@ -285,29 +235,16 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
     scratch = at::empty({static_cast<int64_t>(p.scratch_bytes)}, p.options);
     wrapped.keep.push_back(scratch);
   }
-  std::unordered_map<ggml_tensor*, size_t> scratch_at(p.scratch.begin(), p.scratch.end());
-  for (ggml_tensor* g : order) {
-    if (g->view_src != nullptr) {
-      g->data = nullptr;
-      g->buffer = nullptr;
-      TORCH_CHECK(G.ggml_backend_view_init(g) == GGML_STATUS_SUCCESS,
-                  "ggml-kernels MPS: could not place a view in its Metal buffer");
-    } else if (auto own = p.owner.find(g); own != p.owner.end()) {
-      const at::Tensor& t = own->second;
-      char* address = wrapped.address(dev, t, mps::tensor_offset(t) + byte_offset(g, t));
-      alloc(wrapped.buffers[mps::tensor_buffer(t)], g, address);
-    } else {
-      char* address = wrapped.address(dev, scratch, mps::tensor_offset(scratch) + scratch_at[g]);
-      alloc(wrapped.buffers[mps::tensor_buffer(scratch)], g, address);
-    }
-  }
+  place_all(run.order, [&](ggml_tensor* g) {
+    if (auto own = p.owner.find(g); own != p.owner.end())
+      return wrapped.locate(dev, own->second, p.owner_byte.at(g));
+    return wrapped.locate(dev, scratch, mps::tensor_offset(scratch) + p.scratch.at(g));
+  });
 
-  const ggml_status status = G.ggml_backend_graph_compute(dev.backend, graph);
-  TORCH_CHECK(status == GGML_STATUS_SUCCESS, "ggml-metal: the graph failed (status ",
-              static_cast<int>(status), "): ", G.gk_metal_last_error());
+  compute(dev, graph);
   const bool host_memory = !p.options.device().is_mps();
   if (host_memory && !(p.copies.empty() && p.view_copies.empty())) mps::synchronize();
-  for (const auto& [g, out] : p.copies) out.copy_(scratch_view(scratch, scratch_at.at(g), g));
+  for (const auto& [g, out] : p.copies) out.copy_(scratch_view(scratch, p.scratch.at(g), g));
   for (const auto& [g, out] : p.view_copies) {
     ggml_tensor* src = g->view_src;
     if (auto own = p.owner.find(src); own != p.owner.end()) {
@@ -315,7 +252,7 @@ void backend::run_graph(ggml_cgraph* graph, ggml_tensor* const* results, size_t 
       if (t.storage().is_alias_of(out.storage())) continue;  // computed where it belongs
       out.copy_(view_at(t, p.owner_byte.at(src) + g->view_offs, g));
     } else {
-      out.copy_(view_at(scratch, scratch_at.at(src) + g->view_offs, g));
+      out.copy_(view_at(scratch, p.scratch.at(src) + g->view_offs, g));
     }
   }
   if (host_memory) mps::synchronize();
