@@ -24,6 +24,8 @@
   `projection_groups`), and hands the memory the load freed back to the system;
 - with `enable(repack_weights=True)`, holds Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in ggml-cpu's
   repacked layout, as llama.cpp does, for its gemm kernels on short prompts (see `repacking`);
+- with `enable(compile_decode=True)`, runs `generate()`'s decode steps on the CPU as one compiled
+  graph over a static cache (`compiled_decode`);
 - after each packed load, says once what runs on our kernels and what does not, and why (`report`),
   instead of kernels' warning per layer.
 
@@ -56,6 +58,7 @@ import torch
 from . import (
     archs,
     compat,
+    compiled_decode,
     dense_prefill,
     kept_kernels,
     kernels_gate,
@@ -109,7 +112,8 @@ def is_enabled() -> bool:
 
 
 def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: bool = False,
-           allow_untested_versions: bool = False, report_loads: bool = True) -> None:
+           allow_untested_versions: bool = False, report_loads: bool = True,
+           compile_decode: bool = compiled_decode.DEFAULT) -> None:
     """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
 
     backend: "cpu" (ggml-cpu, the default), "metal-emu" (upstream's Metal backend on the emulated
@@ -125,15 +129,19 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         ggml-cpu's repacked layout (`repacking`): 2-47-token prompts run ggml's gemm kernels (a short
         prompt's first token comes sooner), while prompts of 64 tokens and more pay for unpacking
         each slice (slower), which is why it is off by default. The last call's value holds.
+    compile_decode: on the CPU backend, `generate()` of a packed model decodes with a static cache and
+        its forward compiled by torch.compile, once per model and shape (see `compiled_decode` for
+        what it saves, what a compile costs, and why it is off by default). The last call's value holds.
     allow_untested_versions: run with transformers / kernels outside the tested range (`compat.TESTED`).
     report_loads: after each packed GGUF load, log (logger "ggml_kernels_integration", INFO, on
         stderr unless the application configured logging) what runs on our kernels.
 
-    Calling it again while enabled only updates `dense_prefill` and `repack_weights` (another backend
-    needs `disable()` first). Raises `UnsupportedVersionError`, `InternalsChangedError`, `ValueError`
+    Calling it again while enabled only updates `dense_prefill`, `repack_weights` and `compile_decode`
+    (another backend needs `disable()` first). Raises `UnsupportedVersionError`, `InternalsChangedError`, `ValueError`
     or `RuntimeError` (no build found) before changing anything; any other failure undoes what was
     changed."""
     on_metal = locate.backend_of(backend).metal
+    compile_decode = compiled_decode.check_option(compile_decode)
     locate.check_host(backend)
     if on_metal and repack_weights:
         raise ValueError("repack_weights holds weights in ggml-cpu's layout: it needs backend='cpu'")
@@ -142,6 +150,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
     _options["repack_weights"] = bool(repack_weights)
     if is_enabled():
         _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
+        compiled_decode.set_enabled(compile_decode and not on_metal)
         return
     if not allow_untested_versions:
         compat.check_versions()
@@ -157,6 +166,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         patches.restore()
         raise
     _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
+    compiled_decode.set_enabled(compile_decode and not on_metal)
     _active.update(patches=patches, backend=backend, builds=ours)
     kept_kernels.release()  # models loaded before a disable() run on the patched classes again
 
@@ -173,6 +183,7 @@ def disable() -> None:
         patches.restore()
         kept_kernels.keep()
     _dense_prefill_module.set_enabled(True)
+    compiled_decode.set_enabled(compiled_decode.DEFAULT)
 
 
 def backend() -> str | None:
@@ -246,6 +257,7 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool, backend: str) ->
     quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
     _route_cpu_reads_through_kernels(patches, quant)
     projection_groups.patch_forward(patches, quant)
+    compiled_decode.install(patches)
     patches.on_restore(functools.partial(repacking.unpack_all, quant), "repacked weights back to the GGUF layout")
     steps = [functools.partial(_repack_if_asked, quant=quant), functools.partial(projection_groups.install, quant=quant, patches=patches),
              functools.partial(kept_kernels.track, quant=quant), _return_freed_memory]

@@ -69,6 +69,11 @@ INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = [
     # the key/value cache grown in place
     ("transformers.cache_utils", "DynamicLayer.update", ("self", "key_states", "value_states")),
     ("transformers.cache_utils", "DynamicLayer.lazy_initialization", ("self", "key_states", "value_states")),
+    # compiled decode steps: generate()'s static cache and compile config, its compiled forward
+    ("transformers", "GenerationMixin.generate", ("self",)),
+    ("transformers", "PreTrainedModel.get_compiled_call", ("self", "compile_config")),
+    ("transformers", "CompileConfig", None),
+    ("transformers", "StaticCache", None),
     # layer kernels from our build folders; kernels' per-layer "No kernel mapping" warning, summarised
     ("kernels", "LocalLayerRepository.__init__", ("self", "repo_path", "layer_name")),
     ("kernels", "Mode.INFERENCE", None),

@@ -43,6 +43,7 @@ class Summary:
     dense_linears: int = 0  # nn.Linear left dense (a type without a kernel, unpacked at load)
     ours: Counter = field(default_factory=Counter)  # (layer name, hub id) -> count
     theirs: Counter = field(default_factory=Counter)  # (layer name, reason) -> count
+    compiled_decode: str = ""  # compiled_decode.Record.describe(): compile seconds per shape, or the failure
 
 
 def _kernel_layers(model):
@@ -73,6 +74,8 @@ def summary(model, layer_kernels: dict[str, tuple[str, str]]) -> Summary:
     transformers model (an nn.Module with a `config`); anything else is a TypeError."""
     import torch
 
+    from . import compiled_decode
+
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         module = isinstance(model, torch.nn.Module)
         got = f"{type(model).__module__}.{type(model).__qualname__}" if module else repr(model)[:80]
@@ -87,6 +90,8 @@ def summary(model, layer_kernels: dict[str, tuple[str, str]]) -> Summary:
         packed=packed,
         dense_linears=dense,
     )
+    rec = compiled_decode.record(model)
+    out.compiled_decode = rec.describe() if rec is not None else ""
     for obj in _kernel_layers(model):
         name = type(obj).kernel_layer_name
         if _runs_kernel(obj):
@@ -111,4 +116,6 @@ def describe(s: Summary) -> str:
         theirs.append(f"nn.Linear x{s.dense_linears} (dense: a float weight in the file, or a storage type without a kernel)")
     if theirs:
         lines.append("  transformers' own code: " + ", ".join(theirs))
+    if s.compiled_decode:
+        lines.append(f"  {s.compiled_decode}")
     return "\n".join(lines)

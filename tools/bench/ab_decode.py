@@ -21,6 +21,10 @@ Features:
     dense-prefill
               ggml_kernels_integration.dense_prefill (block-32 weights: ggml's dequantize + a
               bfloat16 GEMM for 32-64+ rows) vs ggml-quantization's mul_mat for every prefill matmul
+    compiled-decode
+              ggml_kernels_integration.compiled_decode (`enable(compile_decode=True)`: a static cache
+              and the model's forward compiled by torch.compile) vs eager steps on transformers'
+              dynamic cache; the compile (once, before the rounds) is reported, not timed
     repack-weights
               ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
               MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
@@ -123,8 +127,54 @@ def _switch_repack_weights(model):
     return use
 
 
+class _StaticCompiledRunner:
+    """Prefill into a `StaticCache` of `positions` (reset first, as generate() starts a new one), then
+    decode steps on the compiled forward, as generate() does with `enable(compile_decode=True)`."""
+
+    def __init__(self, model, positions: int):
+        from ggml_kernels_integration import compiled_decode
+        from transformers import StaticCache
+
+        self.model, self.cache = model, StaticCache(config=model.config, max_cache_len=positions)
+        self.step = compiled_decode.compile_forward(model)
+
+    def prefill(self, ids: list[int]):
+        import torch
+
+        self.cache.reset()
+        out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                         cache_position=torch.arange(len(ids)))
+        return len(ids), out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(self, position: int, token, steps: int):
+        import torch
+
+        for _ in range(steps):
+            out = self.step(input_ids=token, past_key_values=self.cache, use_cache=True,
+                            cache_position=torch.tensor([position]))
+            position, token = position + 1, out.logits[:, -1].argmax(-1, keepdim=True)
+        return position, token
+
+
+def _switch_compiled_decode(model, positions: int):
+    """`use(on)` returns the runner of the round: the static, compiled one when on (compiled here,
+    before any round: the first step of each shape compiles)."""
+    import torch
+    from ggml_kernels_integration import bench, compiled_decode
+
+    compiled, eager = _StaticCompiledRunner(model, positions), bench.TransformersRunner(model)
+    with torch.inference_mode():
+        compiled.decode(*compiled.prefill([1, 2, 3]), 2)
+    print(f"compiled decode: {compiled_decode.record(model).describe()}, torch threads {torch.get_num_threads()}")
+
+    def use(on: bool):
+        return compiled if on else eager
+
+    return use
+
+
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
-            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights}
+            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights, "compiled-decode": _switch_compiled_decode}
 
 
 def main() -> None:
@@ -141,18 +191,21 @@ def main() -> None:
 
     bench.setup_transformers(kernels_on=True)
     model, _ = bench.load_transformers_model(args.gguf, "float32")
-    use = FEATURES[args.feature](model)
+    if args.feature == "compiled-decode":
+        use = _switch_compiled_decode(model, args.prompt_tokens + args.decode_tokens + 16)
+    else:
+        use = FEATURES[args.feature](model)
     vocab = model.config.get_text_config().vocab_size
-    runner = bench.TransformersRunner(model)
+    default_runner = bench.TransformersRunner(model)
     ids = bench.prompt_ids(args.prompt_tokens, vocab)
     times = {False: [], True: []}
     prefill = {False: [], True: []}
     tokens = {}
     with torch.inference_mode():
-        runner.decode(*runner.prefill(ids), 8)  # warm-up
+        default_runner.decode(*default_runner.prefill(ids), 8)  # warm-up
         for _ in range(args.rounds):
             for on in (False, True):
-                use(on)
+                runner = use(on) or default_runner  # a switch may bring its own runner
                 start = time.perf_counter()
                 cache, token = runner.prefill(ids)
                 prefill[on].append(args.prompt_tokens / (time.perf_counter() - start))

@@ -1,0 +1,201 @@
+"""`generate()`'s decode steps as one compiled graph over a static cache, on the CPU.
+
+What a decode step costs beyond the kernels is Python: transformers' module calls, the cache's
+bookkeeping, our glue. transformers removes it on GPUs by compiling the model's forward
+(`torch.compile`, `generation_config.compile_config`) over a `StaticCache`, whose buffers keep one
+shape for the whole generation; on the CPU it never does so unless asked. Every op of our packages is
+a `torch.library` custom op with a fake implementation, so dynamo traces a whole step in one graph
+(no graph break on SmolLM2, Qwen3.5 dense or MoE) and inductor fuses the torch code between them.
+
+With `enable(compile_decode=True)`, a greedy or sampled `generate()` of a model loaded packed, on the
+CPU, where the caller chose no cache, cache implementation or compile config of their own, runs with
+`cache_implementation="static"` and `COMPILE_CONFIG` (transformers still runs the prefill eagerly).
+The graph is compiled once per model and shape (batch size, cache length: transformers keeps a
+model's static cache at the longest length asked so far, so a longer generation compiles again), the
+seconds each compile took are kept per model, logged, and shown by `summary(model)`. A compile that
+fails (dynamo or inductor raises before the graph runs: nothing was written into the cache yet)
+falls back to the model's eager forward for that step and the model's later generations, with one
+warning. Inside a compiled step `projection_groups` and `kv_cache` step aside (they keep state
+between calls; `torch.compiler.is_compiling()`), which changes no result: ggml-quantization's
+mat-vecs give the same bits one call at a time.
+
+Measured (AMD EPYC zen4, 2 threads, shared with other jobs; median of alternating rounds in one
+process, `python -m tools.bench.ab_decode --feature compiled-decode`): see `DEFAULT` for the numbers
+that set the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+
+LOGGER = logging.getLogger("ggml_kernels_integration")
+MODES = (True, False)
+DEFAULT = False
+# transformers' CompileConfig fields: one graph per shape (a decode step's shapes never change with a
+# static cache), inductor's default mode ("reduce-overhead" means CUDA graphs, which a CPU has not)
+COMPILE_CONFIG = {"fullgraph": False, "dynamic": False, "backend": "inductor", "mode": "default"}
+RECORD_ATTR = "_ggml_kernels_compiled_decode"
+_state = {"on": DEFAULT}
+# what the caller may have chosen: any of these in generate()'s arguments or the model's generation
+# config leaves the cache and compilation to them
+_CALLER_CHOICES = ("past_key_values", "cache_implementation", "compile_config", "disable_compile", "assistant_model",
+                   "prompt_lookup_num_tokens")
+
+
+def check_option(value) -> bool:
+    """`enable()`'s `compile_decode` value as a bool; anything but True / False is a clear error."""
+    if value is True or value is False:
+        return value
+    raise ValueError(f"compile_decode must be True or False, got {value!r}")
+
+
+def set_enabled(on: bool) -> None:
+    _state["on"] = bool(on)
+
+
+def is_enabled() -> bool:
+    return _state["on"]
+
+
+class Record:
+    """A model's compiled decode: compile seconds per shape, and why it fell back to eager, if it did."""
+
+    __slots__ = ("compiles", "failure")
+
+    def __init__(self) -> None:
+        self.compiles: dict[tuple, float] = {}  # (batch, cache length) -> seconds of the first step
+        self.failure: str | None = None
+
+    def describe(self) -> str:
+        if self.failure:
+            return f"compiled decode failed, eager instead ({self.failure})"
+        shapes = ", ".join(f"batch {b} x {n} positions: {s:.1f} s" for (b, n), s in self.compiles.items())
+        return f"compiled decode steps ({shapes})" if shapes else ""
+
+
+def record(model) -> Record | None:
+    """The model's `Record`, None where no step of it was compiled or tried."""
+    return model.__dict__.get(RECORD_ATTR)
+
+
+def _record_of(model) -> Record:
+    rec = model.__dict__.get(RECORD_ATTR)
+    if rec is None:
+        rec = model.__dict__[RECORD_ATTR] = Record()
+    return rec
+
+
+def _is_packed_cpu_model(model) -> bool:
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    return model.device.type == "cpu" and any(type(m) is GgufLinear for m in model.modules())
+
+
+def applies(model, kwargs: dict) -> bool:
+    """Whether `model.generate(**kwargs)` should decode compiled: switched on, a packed CPU model
+    that has not failed to compile, and nothing the caller chose about caches or compiling."""
+    if not _state["on"]:
+        return False
+    rec = record(model)
+    if rec is not None and rec.failure:
+        return False
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if any(kwargs.get(name) is not None for name in _CALLER_CHOICES):
+        return False
+    if config is not None and (config.cache_implementation is not None or config.compile_config is not None):
+        return False
+    return _is_packed_cpu_model(model)
+
+
+def compile_config():
+    """transformers' `CompileConfig` of `COMPILE_CONFIG`, allowed on the CPU."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(**COMPILE_CONFIG)
+    config._compile_all_devices = True  # transformers' switch for compiling on other devices than GPUs
+    return config
+
+
+def _shape(kwargs: dict) -> tuple:
+    """(batch, cache positions) of a decode step's arguments: what a new graph is compiled for."""
+    ids = kwargs.get("input_ids")
+    layers = getattr(kwargs.get("past_key_values"), "layers", ())
+    batch = ids.shape[0] if isinstance(ids, torch.Tensor) else None
+    return batch, max((getattr(layer, "max_cache_len", 0) or 0 for layer in layers), default=None)
+
+
+def _is_compile_error(error: BaseException) -> bool:
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    return isinstance(error, (TorchDynamoException, InductorError))
+
+
+def guarded(model, compiled, eager):
+    """`compiled(**kwargs)` (a `torch.compile` of `eager`), timed the first time for each shape, or
+    `eager(**kwargs)` once compiling failed: one warning, and the failure kept in the model's record."""
+    rec = _record_of(model)
+
+    def call(*args, **kwargs):
+        if rec.failure:
+            return eager(*args, **kwargs)
+        shape = _shape(kwargs)
+        first = shape not in rec.compiles
+        start = time.perf_counter()
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as e:
+            if not _is_compile_error(e):
+                raise
+            rec.failure = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"  # dynamo's names the cause
+            warnings.warn(f"ggml-kernels: compiling {type(model).__name__}'s decode step failed, decoding eagerly "
+                          f"instead: {rec.failure}", RuntimeWarning, stacklevel=2)
+            return eager(*args, **kwargs)
+        if first:
+            rec.compiles[shape] = time.perf_counter() - start
+            LOGGER.info("ggml-kernels: compiled %s's decode step for batch %s, %s cache positions in %.1f s",
+                        type(model).__name__, shape[0], shape[1], rec.compiles[shape])
+        return out
+
+    return call
+
+
+def compile_forward(model):
+    """`model`'s forward compiled with `COMPILE_CONFIG` and `guarded`, for callers that drive the
+    decode loop themselves with a `StaticCache` (tools/bench/ab_decode.py)."""
+    options = {k: COMPILE_CONFIG[k] for k in ("fullgraph", "dynamic", "backend", "mode")}
+    return guarded(model, torch.compile(model.__call__, **options), model.__call__)
+
+
+def install(patches) -> None:
+    """Through `patches` (a `PatchSet`): `generate()` takes a static cache and `compile_config()` where
+    `applies`, and transformers' compiled call of a packed CPU model is `guarded`."""
+    from transformers import GenerationMixin, PreTrainedModel
+
+    def make_generate(original):
+        def generate(self, *args, **kwargs):
+            if applies(self, kwargs):
+                kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
+            return original(self, *args, **kwargs)
+
+        generate.__doc__ = original.__doc__
+        return generate
+
+    def make_compiled_call(original):
+        def get_compiled_call(self, config):
+            compiled = original(self, config)
+            if not _is_packed_cpu_model(self):
+                return compiled
+            cached = self.__dict__.get("_ggml_kernels_guarded")
+            if cached is None or cached[0] is not compiled:
+                cached = self.__dict__["_ggml_kernels_guarded"] = (compiled, guarded(self, compiled, self.__call__))
+            return cached[1]
+
+        return get_compiled_call
+
+    patches.wrap(GenerationMixin, "generate", make_generate)
+    patches.wrap(PreTrainedModel, "get_compiled_call", make_compiled_call)
