@@ -11,6 +11,7 @@
 #include <Metal/Metal.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -883,13 +884,27 @@ void encoder_set_buffer(Encoder* self, SEL sel, Buffer* buffer, NS::UInteger off
   if (buffer == nullptr) self->buffers.erase(index);
 }
 
+// The threadgroup memory a threadgroup may use: the device's, or less under the test hook
+// kThreadgroupMemoryLimitEnv (fake_mps.h).
+size_t threadgroup_memory_limit() {
+  const char* text = std::getenv(kThreadgroupMemoryLimitEnv);
+  if (text == nullptr || *text == '\0') return kMaxThreadgroupMemory;
+  char* end = nullptr;
+  const unsigned long long limit = std::strtoull(text, &end, 10);
+  if (*end != '\0' || text[0] == '-' || limit == 0 || limit > kMaxThreadgroupMemory)
+    refuse(std::string(kThreadgroupMemoryLimitEnv) + "=" + text + ": not a byte count from 1 to " +
+           std::to_string(kMaxThreadgroupMemory));
+  return static_cast<size_t>(limit);
+}
+
 void encoder_set_tg_memory(Encoder* self, SEL sel, NS::UInteger length, NS::UInteger index) {
   check_open(self, sel);
   check_index(self, sel, index);
   detail(std::to_string(length) + " @" + std::to_string(index));
-  if (length > kMaxThreadgroupMemory)
+  const size_t limit = threadgroup_memory_limit();
+  if (length > limit)
     refuse(describe(self, sel) + ": " + std::to_string(length) + " bytes, over the device's " +
-           std::to_string(kMaxThreadgroupMemory) + "-byte threadgroup memory");
+           std::to_string(limit) + "-byte threadgroup memory");
   self->threadgroup_memory[static_cast<int>(index)] = length;
 }
 
@@ -921,10 +936,10 @@ void encoder_dispatch(Encoder* self, SEL sel, MTL::Size grid, MTL::Size threads)
            std::to_string(kMaxThreadsPerThreadgroup) + ")");
   size_t tg_total = 0;
   for (const auto& [index, length] : self->threadgroup_memory) tg_total += length;
-  if (tg_total > kMaxThreadgroupMemory)
+  const size_t limit = threadgroup_memory_limit();
+  if (tg_total > limit)
     refuse(describe(self, sel) + ": " + std::to_string(tg_total) +
-           " bytes of threadgroup memory in all, over the device's " +
-           std::to_string(kMaxThreadgroupMemory));
+           " bytes of threadgroup memory in all, over the device's " + std::to_string(limit));
   check_arguments(self, sel);
   Encoded e;
   e.record.kernel = self->pipeline->kernel;

@@ -31,6 +31,13 @@ class Misuse : public std::runtime_error {
 
 // The device's limits (an Apple7+-like GPU, as the emulated device's properties).
 constexpr size_t kMaxThreadgroupMemory = 32768;
+// A test hook of the fake framework only: set to a byte count in 1..kMaxThreadgroupMemory, it is
+// the threadgroup memory setThreadgroupMemoryLength and dispatches may use, while the device goes
+// on reporting kMaxThreadgroupMemory (maxThreadgroupMemoryLength), so that upstream's host code,
+// which checks its own sizes against the reported limit, encodes and the fake refuses: what a GPU
+// with less threadgroup memory than the host code assumed would do. Read at every check (a test can
+// set and lift it within a process); any other value is refused at the check, naming the variable.
+constexpr const char* kThreadgroupMemoryLimitEnv = "GGML_KERNELS_FAKE_METAL_THREADGROUP_MEMORY";
 constexpr size_t kBufferSlots = 31;          // argument indices 0..30
 constexpr size_t kMaxSetBytesLength = 4096;  // setBytes is for small constant data
 constexpr size_t kMaxThreadsPerThreadgroup = 1024;
