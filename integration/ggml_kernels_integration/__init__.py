@@ -122,9 +122,10 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         every package's darwin variant, on torch's MPS device; elsewhere a RuntimeError). On the
         Metal backends all five packages are required, and dense_prefill and repack_weights,
         ggml-cpu paths, stay off.
-    dense_prefill: prefill matmuls on block-32 weights take `dense_prefill` (ggml's dequantize and a
-        bfloat16 GEMM) where it is faster; False keeps ggml-quantization's `mul_mat` for every prefill
-        matmul (8-bit activations, as llama.cpp). The last call's value holds.
+    dense_prefill: ggml-quantization's `mul_mat` chooses each prefill matmul's path: on block-32
+        weights its dense one (ggml's dequantize and a bfloat16 GEMM) where it is faster; False asks
+        it for ggml's exact path for every prefill matmul (8-bit activations, as llama.cpp). The last
+        call's value holds.
     repack_weights: GGUF models loaded from now on hold their Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in
         ggml-cpu's repacked layout (`repacking`): 2-47-token prompts run ggml's gemm kernels (a short
         prompt's first token comes sooner), while prompts of 64 tokens and more pay for unpacking
@@ -327,10 +328,7 @@ def _route_cpu_reads_through_kernels(patches: PatchSet, quant) -> None:
         def unpack_matmul(self, flat: torch.Tensor) -> torch.Tensor:
             if self.weight.device.type != "cpu":
                 return original_unpack(self, flat)
-            if _dense_prefill_module.applies(quant, self.ggml_type, flat.shape[0]):
-                out = _dense_prefill_module.matmul(quant, self.weight, flat, self.ggml_type, self.out_features)
-            else:
-                out = quant.mul_mat(self.weight, flat, self.ggml_type, self.out_features)
+            out = _dense_prefill_module.mul_mat(quant, self.weight, flat, self.ggml_type, self.out_features)
             return out.to(flat.dtype)
 
         return unpack_matmul

@@ -139,10 +139,11 @@ with torch.inference_mode():  # inference tensors reach the kernels' worker thre
     gk.dense_prefill.set_enabled(False)
     pad_runs = [padded_and_alone()]
     gk.dense_prefill.set_enabled(True)
-    saved_min_rows = dict(gk.dense_prefill.MIN_ROWS)
-    gk.dense_prefill.MIN_ROWS.update({t: 9 for t in saved_min_rows})
+    min_rows = gk.dense_prefill.package().dense_prefill.MIN_ROWS  # mul_mat's thresholds
+    saved_min_rows = dict(min_rows)
+    min_rows.update({t: 9 for t in saved_min_rows})
     pad_runs.append(padded_and_alone())
-    gk.dense_prefill.MIN_ROWS.update(saved_min_rows)
+    min_rows.update(saved_min_rows)
 
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
@@ -231,7 +232,7 @@ def test_left_padded_batch_equals_prompts_alone(run):
     """On ggml's mul_mat every row is computed alone: the batch equals its prompts (1e-4: float32
     summation order in attention). dense_prefill's bfloat16 GEMM may pick another kernel for another
     row count (oneDNN on AMX CPUs; measured pad_rel 1.2e-2 on SmolLM2 there, 0 on AVX512-BF16 without
-    AMX), moving an output entry by one bfloat16 step (integration/tests/test_integration_dense_prefill.py); that
+    AMX), moving an output entry by one bfloat16 step (packages/ggml-quantization/tests/test_dense_prefill.py); that
     is held to stay below the path's own distance from ggml's for the same prompt, and the greedy
     tokens to be the same."""
     _, res = run

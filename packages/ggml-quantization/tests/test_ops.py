@@ -122,9 +122,10 @@ def test_mul_mat_vec_all_rows_1_to_8(gq, t):
 @pytest.mark.parametrize("m", [9, 17, 64, 133])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: TYPE_IDS[t])
 def test_mul_mat_larger_m(gq, t, m):
+    """ggml's own path (`exact=True`; the dense one for block-32 types: test_dense_prefill.py)."""
     blocks, cols = make_weights(gq, t)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    out = gq.mul_mat(blocks, x, t, ROWS)
+    out = gq.mul_mat(blocks, x, t, ROWS, exact=True)
     ref = gq.reference.mul_mat_emulated(blocks, x, t, ROWS)
     assert rel_err(out, ref) < MATMUL_RTOL
 

@@ -73,18 +73,19 @@ def test_get_rows_of_repacked(gq, t):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16, 47, 48, 64])
 def test_products_of_repacked(gq, t, m):
     """Rows 1-3 run ggml's repacked gemv, 4+ its gemm (with gemv for the rest), 48+ the plain kernels
-    on slices unpacked first (exact then)."""
+    on slices unpacked first (exact then). ggml's kernels throughout (`exact=True`: from 32 rows a Q4_0
+    weight, repacked or not, takes mul_mat's dense path otherwise, test_dense_prefill.py)."""
     cols, rows = cols_for(gq, t), 40
     w = weight(gq, t, rows, cols, seed=2)
     r, rt = gq.repack(w, t), gq.repacked_type(t)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    plain = gq.mul_mat(w, x, t, rows)
-    for op in (gq.mul_mat, gq.mul_mat_vec):
-        out = op(r, x, rt, rows)
+    plain = gq.mul_mat(w, x, t, rows, exact=True)
+    repacked = gq.mul_mat(r, x, rt, rows, exact=True)
+    for out in (repacked, gq.mul_mat_vec(r, x, rt, rows)):
         assert rel_err(out, plain) < ORDER_RTOL
-    assert rel_err(gq.mul_mat(r, x, rt, rows), gq.reference.mul_mat_emulated(w, x, t, rows)) < MATMUL_RTOL
+    assert rel_err(repacked, gq.reference.mul_mat_emulated(w, x, t, rows)) < MATMUL_RTOL
     if m >= 48:
-        assert torch.equal(gq.mul_mat(r, x, rt, rows), plain)
+        assert torch.equal(repacked, plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, layers, reference
+from . import _checks, dense_prefill, layers, reference
 from ._ggml_runtime import BACKEND, EMULATED_METAL, check_size, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
@@ -36,6 +36,7 @@ __all__ = [
     "STORAGE_TYPES",
     "TYPE_INFO",
     "TypeInfo",
+    "dense_prefill",
     "dequantize",
     "get_rows",
     "info",
@@ -84,16 +85,31 @@ def mul_mat_vec(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: 
     return ops.mul_mat_vec(blocks, x, type_id(ggml_type), int(out_features))
 
 
-def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
+def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int, *, exact: bool = False) -> torch.Tensor:
     """`x @ W.T` on the packed weight for any number of rows (prefill), without a dense copy of W.
-    x `(..., K)` -> `(..., out_features)` float32."""
-    return ops.mul_mat(blocks, x, type_id(ggml_type), int(out_features))
+    x `(..., K)` -> `(..., out_features)` float32.
+
+    On the CPU build with CPU tensors, a block-32 weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, repacked or
+    not) times at least `dense_prefill.MIN_ROWS[type]` rows (32; Q8_0 64) on a CPU with native
+    bfloat16 dot products (AVX512-BF16 / AMX) takes the dense path: ggml dequantizes the weight a
+    chunk at a time and torch multiplies in bfloat16 with float32 accumulation, several times faster
+    there. Its result is within bfloat16 rounding of the float32 product of the dequantized weight
+    (each of x, W and the output rounded once: |error| <= ~3 * 2^-9 * (|x| @ |W|.T) per entry), and
+    not bit-independent of the row count (torch's GEMM may pick another kernel for other rows).
+    Everything else, and every call with `exact=True`, runs ggml's own mul_mat: activations rounded
+    to 8 bits per block as llama.cpp does, each row computed alone, bit for bit llama.cpp's ggml.
+    The Metal builds always run ggml's kernels. See `dense_prefill` for the thresholds' measurements."""
+    t = type_id(ggml_type)
+    if not exact and dense_prefill.applies(blocks, x, t):
+        return dense_prefill.matmul(blocks, x, t, int(out_features))
+    return ops.mul_mat(blocks, x, t, int(out_features))
 
 
 def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_features) -> list[torch.Tensor]:
     """`[x @ W.T for W in blocks]` for several packed weights that read the same activations (a layer's
     q/k/v or gate/up projections); weights may differ in type and rows, not in columns. x `(..., K)` ->
-    one `(..., out_features[i])` float32 tensor per weight, each equal to `mul_mat` of that weight.
+    one `(..., out_features[i])` float32 tensor per weight, each equal to `mul_mat(..., exact=True)` of
+    that weight (ggml's kernels for any number of rows).
     For one activation row (a decode step) the row is quantized once per dot-product type and all the
     weights' rows are split over the threads together, in one call instead of one per weight."""
     types = [type_id(t) for t in ggml_types]

@@ -1,0 +1,205 @@
+"""`mul_mat`'s dense path (ggml_quantization/dense_prefill.py): block-32 weights times many rows as
+ggml's dequantize and a bfloat16 GEMM, on CPUs with native bfloat16 dot products.
+
+Tolerances:
+- The dense product against x @ W.T of the dequantized weight (float64): x, W and the output are
+  each rounded to bfloat16 once (relative error at most 2^-9 each; a bfloat16 x bfloat16 product is
+  exact in float32) and the sum runs in float32 (K * 2^-24 relative at most, 2e-5 at K = 288). So an
+  entry is off by at most ~3 * 2^-9 of the sum of |x_i w_i|; checked against 2^-7 (= 4 * 2^-9) of
+  that sum, entry by entry, which leaves the second-order terms room.
+- ggml's path (`exact=True`): the same bounds as test_ops.py's (MATMUL_RTOL against the reference
+  that rounds activations as ggml does), and bit for bit the op itself.
+- Which path ran is checked bit for bit: the two paths differ by ggml's 8-bit activation rounding,
+  ~1e-2 of the output's scale, never 0.
+The routing tests set NATIVE_BF16 themselves, so they hold on any CPU; the products are computed by
+`dense_prefill.matmul` directly, which runs anywhere (slowly where bfloat16 is emulated).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tools.testing.kernel_testing import on_meta
+
+BLOCK_32 = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+MATMUL_RTOL = 2e-3  # test_ops.py's, for ggml's path against the emulated reference
+
+
+@pytest.fixture
+def bf16_cpu(gq, monkeypatch):
+    """The routing as on a CPU with native bfloat16 dot products, whatever this one is."""
+    monkeypatch.setattr(gq.dense_prefill, "NATIVE_BF16", True)
+    return gq
+
+
+def packed(gq, name: str, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = gq.quantize(torch.randn(n, k, generator=gen), name)
+    return blocks, gq.dequantize(blocks, name, n, k)  # the weight the model means, float32
+
+
+def rows(m: int, k: int, seed: int = 1, *lead: int) -> torch.Tensor:
+    return torch.randn(*lead, m, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(BLOCK_32))
+@pytest.mark.parametrize("m", [64, 77])
+def test_product_of_the_dequantized_weight(gq, bf16_cpu, name, m):
+    n, k = 160, 288
+    blocks, w = packed(gq, name, n, k)
+    x = rows(m, k)
+    got = gq.mul_mat(blocks, x, name, n)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got, gq.dense_prefill.matmul(blocks, x, BLOCK_32[name], n))
+    exact = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    assert ((got.double() - exact).abs() <= 2**-7 * magnitude).all()
+    # ggml's path, asked for: its own op, 8-bit activations, farther from the float product on average
+    ggml = gq.mul_mat(blocks, x, name, n, exact=True)
+    assert torch.equal(ggml, gq.ops.mul_mat(blocks, x, BLOCK_32[name], n))
+    ref = gq.reference.mul_mat_emulated(blocks, x, BLOCK_32[name], n)
+    assert (ggml.double() - ref.double()).abs().max() < MATMUL_RTOL * ref.abs().max()
+    assert (got.double() - exact).abs().mean() < (ggml.double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("name", list(BLOCK_32))
+def test_threshold_boundary(gq, bf16_cpu, name):
+    """MIN_ROWS - 1 rows run ggml's op, MIN_ROWS rows the dense path; leading dims count as rows."""
+    t, n, k = BLOCK_32[name], 40, 64
+    blocks, _ = packed(gq, name, n, k, seed=t)
+    at = gq.dense_prefill.MIN_ROWS[t]
+    below = rows(at - 1, k)
+    assert torch.equal(gq.mul_mat(blocks, below, name, n), gq.ops.mul_mat(blocks, below, t, n))
+    x = rows(at, k)
+    assert torch.equal(gq.mul_mat(blocks, x, name, n), gq.dense_prefill.matmul(blocks, x, t, n))
+    assert not torch.equal(gq.mul_mat(blocks, x, name, n, exact=True), gq.mul_mat(blocks, x, name, n))
+    lead = x.view(2, at // 2, k)
+    assert torch.equal(gq.mul_mat(blocks, lead, name, n).view(at, n), gq.mul_mat(blocks, x, name, n))
+
+
+def test_where_it_applies(gq, bf16_cpu, monkeypatch):
+    dp = gq.dense_prefill
+    blocks, _ = packed(gq, "Q4_0", 64, 64)
+    x = rows(512, 64)
+    # a repacked weight by its GGUF type, where this CPU has the layout (ggml refuses the id elsewhere)
+    assert dp.applies(blocks, x, gq.repacked_type("Q4_0")) == (2 in gq.repacked_types())
+    for other in ("F32", "F16", "BF16", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "MXFP4"):
+        assert not dp.applies(blocks, x, int(gq.GGMLType[other])), other  # ggml's own products keep up
+    assert not dp.applies(blocks, torch.ones(512, 64, dtype=torch.int64), 2)  # refused by ggml's checks
+    assert not dp.applies(blocks.view(torch.int8), x, 2)
+    assert not dp.applies(blocks, on_meta(x), 2) and not dp.applies(on_meta(blocks), x, 2)
+    monkeypatch.setattr(dp, "NATIVE_BF16", False)  # emulated bfloat16: ggml's path is faster
+    assert not dp.applies(blocks, x, 2)
+    assert torch.equal(gq.mul_mat(blocks, x, "Q4_0", 64), gq.ops.mul_mat(blocks, x, 2, 64))
+
+
+def test_repacked_weight(gq, bf16_cpu):
+    t = int(gq.GGMLType.Q4_0)
+    if t not in gq.repacked_types():
+        pytest.skip("this CPU's ggml does not repack Q4_0")
+    blocks, _ = packed(gq, "Q4_0", 48, 128, seed=3)
+    x = rows(40, 128)
+    got = gq.mul_mat(gq.repack(blocks, t), x, gq.repacked_type(t), 48)
+    assert torch.equal(got, gq.mul_mat(blocks, x, t, 48))
+
+
+def test_chunks_give_the_same_product(gq, monkeypatch):
+    n, k = 1000, 256
+    blocks, _ = packed(gq, "Q4_1", n, k, seed=2)
+    x = rows(64, k, seed=3)
+    whole = gq.dense_prefill.matmul(blocks, x, 3, n)
+    monkeypatch.setattr(gq.dense_prefill, "CHUNK_BYTES", 2 * k * 300)  # 296 rows a chunk (whole 8-row groups)
+    torch.testing.assert_close(gq.dense_prefill.matmul(blocks, x, 3, n), whole, rtol=0, atol=0)
+
+
+def test_a_row_s_product_barely_depends_on_the_rows_beside_it(gq):
+    """What the path guarantees a left-padded batch: torch's bfloat16 GEMM may pick another kernel for
+    another row count (oneDNN on AMX CPUs does), whose float32 accumulation order differs; the output,
+    rounded to bfloat16, then moves by at most one bfloat16 step (2^-7 of the value) per entry."""
+    n, k = 256, 512
+    blocks, w = packed(gq, "Q4_0", n, k, seed=6)
+    x = rows(48, k, seed=7)
+    batch = gq.dense_prefill.matmul(blocks, x, 2, n)
+    magnitude = x.abs() @ w.abs().T
+    for part in (slice(0, 9), slice(39, 48), slice(0, 24), slice(24, 48)):
+        alone = gq.dense_prefill.matmul(blocks, x[part], 2, n)
+        assert ((alone - batch[part]).abs() <= 2**-7 * batch[part].abs() + 2**-20 * magnitude[part]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_activations(gq, dtype):
+    n, k = 96, 128
+    blocks, w = packed(gq, "Q8_0", n, k, seed=4)
+    x = rows(64, k, seed=5).to(dtype)
+    got = gq.dense_prefill.matmul(blocks, x, 8, n)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x.bfloat16(), w.bfloat16()).float(), rtol=0, atol=0)
+
+
+def test_nan_stays_in_its_row(gq):
+    blocks, _ = packed(gq, "Q4_1", 32, 64)
+    x = rows(40, 64)
+    x[3, 5] = float("nan")
+    got = gq.dense_prefill.matmul(blocks, x, 3, 32)
+    assert got[3].isnan().all() and not got[torch.arange(40) != 3].isnan().any()
+
+
+def test_torch_compile_traces_both_paths(gq, bf16_cpu):
+    blocks, _ = packed(gq, "Q4_1", 48, 64)
+
+    def f(x):
+        return gq.mul_mat(blocks, x, "Q4_1", 48) + gq.mul_mat(blocks, x, "Q4_1", 48, exact=True)
+
+    x = rows(40, 64)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+
+
+def _refusal(call):
+    with pytest.raises((TypeError, ValueError)) as err:
+        call()
+    return type(err.value), str(err.value)
+
+
+def test_bad_input_refused_as_on_ggml_s_path(gq, bf16_cpu):
+    """Input that passes `applies` but that ggml's op refuses gets the same exception, same words."""
+    k, n = 64, 16
+    blocks, _ = packed(gq, "Q8_0", n, k)
+    x = rows(64, k)
+    wide = torch.zeros(n, 2 * blocks.shape[1], dtype=torch.uint8)
+    big = torch.zeros(1024, 8 * 34, dtype=torch.uint8)
+    cases = {
+        "out_features": (blocks, x, "Q8_0", n + 1),
+        "K": (blocks, rows(64, 2 * k), "Q8_0", n),
+        "row bytes": (blocks[:, :30].contiguous(), x, "Q8_0", n),
+        "not contiguous": (wide[:, ::2], x, "Q8_0", n),
+        "blocks 3-D": (blocks[None], x, "Q8_0", n),
+        "repacked rows": (gq.quantize(torch.randn(12, k), "Q4_0"), x, gq.repacked_type("Q4_0"), 12),
+        "no repacked Q4_1 here": (gq.quantize(torch.randn(16, k), "Q4_1"), x, gq.repacked_type("Q4_1"), 16),
+        "the product": (big, torch.ones(1, 256).expand(2**24, 256), "Q8_0", 1024),
+    }
+    for what, (b, xx, t, nn) in cases.items():
+        dense = _refusal(lambda b=b, xx=xx, t=t, nn=nn: gq.mul_mat(b, xx, t, nn))
+        assert dense == _refusal(lambda b=b, xx=xx, t=t, nn=nn: gq.mul_mat(b, xx, t, nn, exact=True)), what
+
+
+def test_native_bf16_dot_reads_the_cpu_flags(gq, tmp_path):
+    dp = gq.dense_prefill
+    for flags, native in (("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True), ("fpu avx512f avx2", False)):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert dp.native_bf16_dot(str(cpuinfo)) is native
+    assert dp.native_bf16_dot(str(tmp_path / "missing")) is False
+    with open("/proc/cpuinfo") as f:
+        here = next(line for line in f if line.startswith("flags")).split()
+    assert dp.NATIVE_BF16 == dp.native_bf16_dot() == bool(dp.BF16_DOT_FLAGS & set(here))
+
+
+def test_metal_builds_keep_ggml_s_kernels(gq, metal, monkeypatch):
+    monkeypatch.setattr(metal.dense_prefill, "NATIVE_BF16", True)
+    blocks = gq.quantize(torch.randn(32, 64), "Q4_0")  # quantize is the CPU build's alone
+    x = rows(64, 64)
+    assert not metal.dense_prefill.applies(blocks, x, 2)
+    assert torch.equal(metal.mul_mat(blocks, x, "Q4_0", 32), metal.mul_mat(blocks, x, "Q4_0", 32, exact=True))

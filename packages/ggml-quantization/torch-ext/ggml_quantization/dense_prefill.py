@@ -1,0 +1,136 @@
+"""`mul_mat`'s dense path: a prefill product on a block-32 weight as ggml's `dequantize`, then a
+bfloat16 GEMM.
+
+Why. For many activation rows ggml-cpu multiplies Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 one (row, column)
+dot product at a time (llamafile's tiled sgemm covers Q4_0 / Q8_0 only, and the repacked layouts
+need ggml's own buffers), while the K-quants' dot products keep up with a dense GEMM. On a CPU with
+native bfloat16 dot products a dense bfloat16 GEMM (oneDNN, through torch) on the weight dequantized
+by ggml is several times faster from 32-64 rows on; ggml's own BLAS backend runs batches the same
+way: dequantize, then a dense GEMM. It is also closer to the float32 product: ggml rounds the
+activations to 8 bits per block of 32 (Q8_0 / Q8_1) before its dot products, bfloat16 keeps 8
+significant bits per value and accumulates in float32.
+
+When. `mul_mat` takes it (`applies`) for CPU tensors on the CPU build (the Metal builds keep ggml's
+kernels), a weight whose GGUF type, repacked or not, is in `MIN_ROWS`, at least that many activation
+rows, on a CPU with native bfloat16 dot products (`NATIVE_BF16`), unless called with `exact=True`.
+
+`MIN_ROWS` is where this path became the faster one, per type: 2 threads on a 2-core AMD EPYC (zen4:
+AVX512-BF16, no AMX), torch 2.13, ms per product, ggml's `mul_mat` / this path (2026-12-01). Measure
+it again with `kernels benchmark ./packages/ggml-quantization` (benchmarks/benchmark_mul_mat.py:
+`MulMat_exact` against `MulMat` at 16, 32 and 64 rows on every block-32 type):
+
+    type  shape (N x K)  M=16        M=32        M=64        M=512       MIN_ROWS
+    Q4_1  1536x576       0.26/0.30   0.52/0.35   1.01/0.41   8.30/1.48   32
+    Q4_0  576x1536                                           7.80/1.38   32
+    Q8_0  3584x1024                  0.87/1.20   1.74/1.51   13.2/5.35   64
+
+Q5_0 / Q5_1 take Q4_0's threshold: their dot products are slower than the 4-bit ones and the GEMM
+costs the same, so they cross over no later. Q8_0's dot products are twice as fast as the 4-bit
+ones, hence 64. An AMX CPU runs the GEMM faster still and ggml's dot products no faster, so its
+crossover is no later than these.
+
+CPUs without native bfloat16 dot products (neither AVX512-BF16 nor AMX-BF16 in the CPU's flags):
+oneDNN emulates bfloat16 there with float32 arithmetic plus conversions, and no measurement shows
+this path faster than ggml's, so `mul_mat` keeps ggml's path on them. The CPU builds are x86-64
+Linux only, so the flags are read from /proc/cpuinfo (`native_bf16_dot`), once, at import.
+
+What it guarantees: each output entry within bfloat16 rounding of the float32 product of the
+dequantized weight: x, W and the output are each rounded to bfloat16 (at most 2^-9 relative each),
+the products summed in float32, so |y - x @ W.T| <= ~3 * 2^-9 * (|x| @ |W|.T), entry by entry.
+It is not independent of the row count bit for bit: torch's bfloat16 GEMM may pick another kernel
+for another number of rows (oneDNN on AMX CPUs does), so an entry can move by one bfloat16 step
+with the rows multiplied beside it. ggml's path (`exact=True`) computes every row alone, bit for bit
+as llama.cpp's ggml. A NaN or infinity in an activation row gives NaN / infinity in that row's
+outputs, as a float product does (ggml's path may give finite numbers there, see the README).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import _checks
+from ._ggml_runtime import BACKEND, check_size, same_device
+from ._ops import ops
+from .types import REPACKED, GGMLType
+
+# GGUF type -> fewest activation rows at which this path is the faster one (the table above)
+MIN_ROWS: dict[int, int] = {
+    GGMLType.Q4_0: 32,
+    GGMLType.Q4_1: 32,
+    GGMLType.Q5_0: 32,
+    GGMLType.Q5_1: 32,
+    GGMLType.Q8_0: 64,  # ggml's Q8_0 dot products are twice as fast as the 4-bit ones
+}
+# bfloat16 bytes of weight dequantized at a time: the chunk stays in cache between ggml's dequantize
+# and the GEMM, and a large matrix (a 49152-row vocabulary projection) is never unpacked whole
+CHUNK_BYTES = 4 << 20
+# CPU flags of native bfloat16 dot products (Linux's names)
+BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def native_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has native bfloat16 dot products (`BF16_DOT_FLAGS` in its flags); False where
+    the flags cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return bool(BF16_DOT_FLAGS & set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return False
+
+
+NATIVE_BF16: bool = native_bf16_dot()
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
+
+
+@functools.cache
+def _repacked_here() -> frozenset[int]:
+    return frozenset(ops.repacked_types())
+
+
+def applies(blocks: torch.Tensor, x: torch.Tensor, type_id: int) -> bool:
+    """Whether `mul_mat(blocks, x, type_id, ...)` takes this path (see the module docstring). Decided
+    from the type, the row count, the devices and the CPU; inputs the product would refuse go to
+    ggml's path, whose checks name the problem (a repacked layout this CPU lacks among them)."""
+    repacked = REPACKED <= type_id < 2 * REPACKED
+    gguf_type = type_id - REPACKED if repacked else type_id
+    min_rows = MIN_ROWS.get(gguf_type)
+    return (min_rows is not None and NATIVE_BF16 and BACKEND == "cpu"
+            and (not repacked or gguf_type in _repacked_here())
+            and blocks.device.type == "cpu" and x.device.type == "cpu"
+            and blocks.dtype == torch.uint8 and x.dtype in _checks._FLOAT and _rows(x) >= min_rows)
+
+
+def _check(blocks: torch.Tensor, x: torch.Tensor, type_id: int, out_features: int) -> None:
+    """What ggml's mul_mat refuses, with its words: the shape and dtype rules and the size limits."""
+    same_device("mul_mat", blocks=blocks, x=x)
+    check_size(blocks, "blocks")
+    check_size(x, "x")
+    _checks.product(blocks, type_id, out_features, x)
+    check_size(torch.empty((*x.shape[:-1], out_features), dtype=torch.float32, device="meta"), "the product")
+
+
+def matmul(blocks: torch.Tensor, x: torch.Tensor, type_id: int, out_features: int) -> torch.Tensor:
+    """x (..., K) @ W.T for the packed weight `blocks` (out_features, row bytes): float32 (..., N).
+
+    The weight is dequantized by ggml in row chunks of ~CHUNK_BYTES (whole groups of a repacked
+    weight's interleaved rows), each multiplied in bfloat16 with float32 accumulation into its
+    columns of the output."""
+    _check(blocks, x, type_id, out_features)
+    k = x.shape[-1]
+    xb = x.reshape(-1, k).to(torch.bfloat16)
+    out = torch.empty(xb.shape[0], out_features, dtype=torch.float32)
+    rows_per_chunk = max(256, CHUNK_BYTES // (2 * k)) // _checks.REPACK_ROWS * _checks.REPACK_ROWS
+    for start in range(0, out_features, rows_per_chunk):
+        stop = min(start + rows_per_chunk, out_features)
+        w = ops.dequantize(blocks[start:stop], type_id, stop - start, k, torch.bfloat16)
+        out[:, start:stop] = F.linear(xb, w)
+    return out.view(*x.shape[:-1], out_features)
