@@ -31,7 +31,8 @@ def _darwin_variants() -> list[Path]:
 
 
 def test_the_variant_name_is_the_one_the_darwin_builds_write():
-    """One name in three places: the integration, the cross / native darwin builders, the mps test kind."""
+    """The darwin builders (cross and native) and the mps test kind take the name from the
+    integration's row (read from this checkout's file): the same for every torch of the matrix."""
     for version in ("2.13.0", "2.14.1", "2.15.0"):
         torch_mac = darwin_toolchain.TorchMac(version, Path("include"), Path("lib"))
         assert MPS.variant(version) == darwin.variant_name(torch_mac) == f"torch{torch_mac.tag}-metal-aarch64-darwin"

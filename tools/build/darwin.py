@@ -75,7 +75,11 @@ SYSTEM_STUBS = ("Metal", "Foundation", "libobjc", "libc++")
 
 
 def variant_name(torch: TorchMac) -> str:
-    return f"torch{torch.tag}-metal-aarch64-darwin"
+    """torch<XY>-metal-aarch64-darwin, by the integration's rule (locate.BACKENDS["mps"], read from
+    this checkout's file): enable(backend="mps") finds the variants by it, so it is the one source."""
+    from tools.testing.kernel_testing import integration_locate
+
+    return integration_locate().BACKENDS["mps"].variant(torch.version)
 
 
 def missing_sources() -> list[Path]:

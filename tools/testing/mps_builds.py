@@ -41,9 +41,10 @@ def selected_kinds(kinds: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def darwin_variant() -> str:
-    """torch<XY>-metal-aarch64-darwin for the running torch."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return f"torch{major}{minor}-metal-aarch64-darwin"
+    """torch<XY>-metal-aarch64-darwin for the running torch (the integration's rule, locate.BACKENDS["mps"])."""
+    from tools.testing.kernel_testing import integration_locate
+
+    return integration_locate().BACKENDS["mps"].variant()
 
 
 def load_mps(package: str) -> OnDevice:
