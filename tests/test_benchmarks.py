@@ -30,7 +30,7 @@ IMPLEMENTATIONS = {
     "ggml-norm": {"RMSNormZeroCentered": {"ours", "ggml", "layer", "transformers", "reference"},
                   "RMSNormGated": {"ours", "ggml"}, "L2Norm": {"ours", "ggml"}},
     "ggml-quantization": {"MulMatVec": {"ours", "ggml", "tf_f32", "tf_bf16"},
-                          "MulMat": {"ours", "ggml", "tf_f32", "tf_bf16", "tf_unpack"}, "MulMatGroup": {"ours"}},
+                          "MulMat": {"ours", "exact", "ggml", "tf_f32", "tf_bf16", "tf_unpack"}, "MulMatGroup": {"ours"}},
     "topk": {"SoftmaxTopK": {"ours", "ggml", "eager", "reference"}, "Router": {"ours", "transformers"}},
 }
 

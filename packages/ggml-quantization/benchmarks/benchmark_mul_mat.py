@@ -7,7 +7,12 @@ against ggml's own op and transformers' CPU paths.
 Workloads are named <type>_<N>x<K>_m<M> for a weight of N output rows and K input columns. Each
 class times one implementation of the same workloads:
   MulMatVec (M <= 8), MulMat (M > 8)
-                   this package: mul_mat_vec / mul_mat on the packed blocks
+                   this package: mul_mat_vec / mul_mat on the packed blocks (mul_mat as it chooses:
+                   block-32 weights from 32 rows, Q8_0 64, take its dense path on a CPU with
+                   bfloat16 dot products, see ggml_quantization/dense_prefill.py)
+  MulMat_exact     mul_mat(..., exact=True): ggml's own kernel at every row count. Against MulMat
+                   at 16, 32 and 64 rows on every block-32 type (the *_3584x1024_m16/m32/m64
+                   workloads) it is the measurement behind dense_prefill.MIN_ROWS
   *_ggml           ggml's own GGML_OP_MUL_MAT through llama-cpp-python's libggml (the repository's
                    tools/testing/ggml_ctypes.py; present when that is importable, as in `nox -s bench`):
                    a one-op graph planned once, only ggml_graph_compute timed
@@ -27,7 +32,9 @@ cache four times over.
 The reference (verify_*) is a dense float32 matmul against the dequantized weight, with the
 activations rounded the way ggml's CPU dot products round them (to Q8_0 or Q8_K blocks, see
 `_round_like_ggml`): ours and ggml's match it to ~1e-5 of the output scale (~1e-3 in the rare row
-where an activation sits exactly on a rounding tie), inside the runner's atol of 1e-2. transformers'
+where an activation sits exactly on a rounding tie), inside the runner's atol of 1e-2. Where
+`mul_mat` takes its dense path the reference is the same bfloat16 product, unchunked
+(F.linear of the bfloat16 activations and weight). transformers'
 float32 paths do not round activations and are checked against the unrounded product; bfloat16 is
 not checked (its own rounding is larger than the runner's tolerance). GGML_KERNELS_BENCH_QUICK=1
 runs two types at one shape each, weights cache-resident (for tests).
@@ -52,6 +59,9 @@ MATVEC = {1: [(1024, 3584)]} if QUICK else {m: [(1024, 1024), (3584, 1024), (102
                                             for m in (1, 8)}  # M -> (N, K)
 MATMAT = {64: [(1024, 3584)]} if QUICK else {64: [(3584, 1024), (1024, 3584), (9216, 2560)],
                                              512: [(3584, 1024), (1024, 3584)]}
+# mul_mat's dense path against ggml's kernel around its thresholds (dense_prefill.MIN_ROWS)
+BLOCK_32_TYPES = ["Q4_1"] if QUICK else ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+THRESHOLDS = {32: [(1024, 3584)]} if QUICK else {m: [(3584, 1024)] for m in (16, 32, 64)}
 # short prompts: the repacked layout against the plain one (Q4_0 and Q4_K: every AVX2 CPU repacks them)
 REPACKED_TYPES = ["Q4_0", "Q4_K"]
 SHORT = {1: [(1024, 3584)]} if QUICK else {m: [(3584, 1024), (1024, 3584)] for m in (1, 4, 8, 16, 64)}
@@ -151,10 +161,23 @@ class MulMatVec(_PackedProduct, Benchmark):
 
 
 class MulMat(_PackedProduct, Benchmark):
-    """Prefill: mul_mat on the packed weight, no dense copy."""
+    """Prefill: mul_mat on the packed weight, no dense copy of the whole weight (its dense path
+    unpacks a chunk of rows at a time)."""
 
     def _run(self) -> None:
         self.out = self.kernel.mul_mat(self._next(), self.x, self.type, self.n)
+
+    def _verify(self) -> torch.Tensor:
+        if self.kernel.dense_prefill.applies(self.blocks, self.x, int(self.kernel.GGMLType[self.type])):
+            return F.linear(self.x.bfloat16(), self.w_dense.bfloat16()).float()
+        return super()._verify()
+
+
+class MulMat_exact(_PackedProduct, Benchmark):
+    """Prefill on ggml's own kernel whatever the row count (exact=True)."""
+
+    def _run(self) -> None:
+        self.out = self.kernel.mul_mat(self._next(), self.x, self.type, self.n, exact=True)
 
 
 class MulMatRepacked(_PackedProduct, Benchmark):
@@ -256,7 +279,7 @@ class _Ggml(_PackedProduct):
 
 
 MATVEC_CLASSES = [MulMatVec, MulMatVec_tf_f32, MulMatVec_tf_bf16]
-MATMAT_CLASSES = [MulMat, MulMat_tf_f32, MulMat_tf_bf16, MulMat_tf_unpack]
+MATMAT_CLASSES = [MulMat, MulMat_exact, MulMat_tf_f32, MulMat_tf_bf16, MulMat_tf_unpack]
 if ggml_ctypes is not None and ggml_ctypes.available():
 
     class MulMatVec_ggml(_Ggml, Benchmark):
@@ -328,6 +351,12 @@ for _t in TYPES:
         for _m, _shapes in _plan.items():
             for _n, _k in _shapes:
                 for _cls in _classes:
+                    _add(_cls, _t, _n, _k, _m)
+for _t in BLOCK_32_TYPES:
+    for _m, _shapes in THRESHOLDS.items():
+        for _n, _k in _shapes:
+            for _cls in (MulMat, MulMat_exact):
+                if not hasattr(_cls, f"setup_{_t.lower()}_{_n}x{_k}_m{_m}"):
                     _add(_cls, _t, _n, _k, _m)
 for _t in REPACKED_TYPES:
     for _m, _shapes in SHORT.items():
