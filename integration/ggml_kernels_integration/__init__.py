@@ -57,6 +57,7 @@ import torch
 
 from . import (
     archs,
+    causal_alignment,
     compat,
     compiled_decode,
     dense_prefill,
@@ -244,6 +245,7 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool, backend: str) ->
 
     _point_hub_ids_at(patches, ours)
     kernels_gate.install(patches, ours)  # transformers 5.23 with kernels 0.17: its GGUF path uses them
+    causal_alignment.install(patches)  # a prefill into a static cache: no mask means top-left causal
     patches.set_attr(gguf_kernels, "_gguf_kernel", None)  # forget a lookup made before enable()
     _map_layer_kernels(patches, ours, backend)
     archs.register(patches)  # llama files (SmolLM2, ...) kept packed too

@@ -74,6 +74,7 @@ INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("transformers", "PreTrainedModel.get_compiled_call", ("self", "compile_config")),
     ("transformers", "CompileConfig", None),
     ("transformers", "StaticCache", None),
+    ("transformers", "AttentionInterface._global_mapping", None),  # ggml-attn registered top-left causal
     # layer kernels from our build folders; kernels' per-layer "No kernel mapping" warning, summarised
     ("kernels", "LocalLayerRepository.__init__", ("self", "repo_path", "layer_name")),
     ("kernels", "Mode.INFERENCE", None),

@@ -5,14 +5,16 @@ back to them with one warning, and bad options are refused before anything chang
 Each model runs in a fresh process (enable() patches transformers for the whole process) on the tiny
 Qwen3.5 dense and MoE files (Q4_K_M mix, tools/models/make_gguf.py) and a tiny llama file written here
 (SmolLM2's layout, Q8_0 / Q4_0 weights from gguf-py's quantizers). What is compared, and the bounds:
-- compiled against eager on the same static cache: the same greedy tokens and logits within 1e-5 of
-  their range. The graph runs the same kernels on the same inputs (our ops are opaque to inductor)
-  and inductor only fuses the float32 torch code between them; measured: bit-identical on all three.
+- compiled against eager on the same static cache: the same greedy tokens and logits within 0.5 % of
+  their range. The graph runs the same kernels (our ops are opaque to inductor) and inductor fuses
+  the float32 torch code between them, rounding its own way (vectorized exp in a softmax, ...):
+  measured bit-identical on the dense Qwen3.5 and the llama, 0.2 % on one step of the MoE, whose
+  router softmax picks the experts' weights; the eager tests allow 1 % between decode kernels.
 - compiled against the eager default (transformers' dynamic cache): the same first token, and every
-  step's logits within 3 % of their range. The static cache changes the prefill, not the decode
-  steps: transformers gives its prefill attention a mask over the whole cache instead of running it
-  causal, and that alone moves the Qwen3.5 tiny's first logits by 1.7 % (0.0 on the steps after it);
-  the tiny llama's steps carry it on through every layer's keys and values. 3 %: about twice that.
+  step's logits within the same 0.5 %: a static cache changes no kernel's input, once a prefill
+  into it attends top-left causal as transformers means it (`causal_alignment`; before, ggml-attn
+  read the missing mask bottom-right: 6-16 % off on the tiny llama). Measured: as on the static cache.
+- `causal_alignment` alone: ggml-attn with the wrapper against SDPA's top-left `is_causal`.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def write_tiny_llama(path) -> None:
         if qtype is None:
             w.add_tensor(name, values)
         else:
-            w.add_tensor(name, quants.quantize(values, qtype), raw_shape=shape, raw_dtype=qtype)
+            w.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)  # a shape in bytes
 
     add("token_embd.weight", (vocab, hidden), Q.Q8_0, std=1.0)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
@@ -164,7 +166,7 @@ def test_compiled_steps_equal_eager_steps_on_the_static_cache(compiled):
     assert res["cache"] == res["static_cache"] == "StaticCache", res
     assert res["failure"] is None
     assert res["same_tokens_static"], res
-    assert max(res["rel_static"]) < 1e-5, res["rel_static"]
+    assert max(res["rel_static"]) < 0.005, res["rel_static"]
 
 
 @pytest.mark.slow
@@ -172,7 +174,7 @@ def test_compiled_steps_agree_with_the_eager_default(compiled):
     _, res = compiled
     assert res["dynamic_cache"] == "DynamicCache"  # compile_decode=False leaves generate() as it was
     assert res["first_token_dynamic"], res
-    assert max(res["rel_dynamic"]) < 0.03, res["rel_dynamic"]
+    assert max(res["rel_dynamic"]) < 0.005, res["rel_dynamic"]
 
 
 @pytest.mark.slow
@@ -202,3 +204,28 @@ def test_bad_compile_decode_values_are_refused_before_anything_changes(value):
     with pytest.raises(ValueError, match="compile_decode must be True or False"):
         gk.enable(compile_decode=value)
     assert gk.is_enabled() == was_enabled and compiled_decode.is_enabled() == was_on
+
+
+@pytest.mark.parametrize(("queries", "keys", "masked"), [(6, 10, False), (6, 6, False), (1, 10, False), (6, 10, True)])
+def test_a_prefill_into_a_longer_cache_attends_top_left(queries, keys, masked):
+    """No mask, 6 queries from position 0, a 10-position cache whose last 4 are empty: query i sees
+    keys 0..i (SDPA's `is_causal`, as transformers means it); the other cases pass through unchanged."""
+    import torch
+    from ggml_kernels_integration import causal_alignment
+    from torch import nn
+
+    from tools.testing.kernel_testing import load_kernel
+
+    attn = load_kernel("ggml-org/ggml-attn")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, queries, 64, generator=gen)
+    k, v = torch.randn(2, 1, 2, keys, 64, generator=gen)
+    k[..., queries:, :], v[..., queries:, :] = 0, 0  # a static cache's empty positions
+    mask = torch.ones(1, 1, queries, keys, dtype=torch.bool).tril(keys - queries) if masked else None
+    got, _ = causal_alignment.top_left_causal(attn.flash_attn_forward)(nn.Module(), q, k, v, mask, scaling=0.125)
+    k2, v2 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    if masked or queries == 1:
+        want = torch.nn.functional.scaled_dot_product_attention(q, k2, v2, attn_mask=mask, scale=0.125)
+    else:
+        want = torch.nn.functional.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.125)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)

@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--compile-backend", default=None,
+                    help="compiled-decode: torch.compile's backend instead of compiled_decode's (e.g. aot_eager)")
     args = ap.parse_args()
 
     import torch
@@ -192,6 +194,10 @@ def main() -> None:
     bench.setup_transformers(kernels_on=True)
     model, _ = bench.load_transformers_model(args.gguf, "float32")
     if args.feature == "compiled-decode":
+        if args.compile_backend:
+            from ggml_kernels_integration import compiled_decode
+
+            compiled_decode.COMPILE_CONFIG["backend"] = args.compile_backend
         use = _switch_compiled_decode(model, args.prompt_tokens + args.decode_tokens + 16)
     else:
         use = FEATURES[args.feature](model)
