@@ -8,11 +8,11 @@ Workloads are named <type>_<N>x<K>_m<M> for a weight of N output rows and K inpu
 class times one implementation of the same workloads:
   MulMatVec (M <= 8), MulMat (M > 8)
                    this package: mul_mat_vec / mul_mat on the packed blocks (mul_mat as it chooses:
-                   block-32 weights from 32 rows, Q8_0 64, take its dense path on a CPU with
+                   block-32 weights from 32-128 rows by type take its dense path on a CPU with
                    bfloat16 dot products, see ggml_quantization/dense_prefill.py)
   MulMat_exact     mul_mat(..., exact=True): ggml's own kernel at every row count. Against MulMat
-                   at 16, 32 and 64 rows on every block-32 type (the *_3584x1024_m16/m32/m64
-                   workloads) it is the measurement behind dense_prefill.MIN_ROWS
+                   at 32, 64, 96 and 128 rows on every block-32 type (the *_3584x1024_m32 ..
+                   m128 workloads) it is the measurement behind dense_prefill.MIN_ROWS
   *_ggml           ggml's own GGML_OP_MUL_MAT through llama-cpp-python's libggml (the repository's
                    tools/testing/ggml_ctypes.py; present when that is importable, as in `nox -s bench`):
                    a one-op graph planned once, only ggml_graph_compute timed
@@ -61,7 +61,7 @@ MATMAT = {64: [(1024, 3584)]} if QUICK else {64: [(3584, 1024), (1024, 3584), (9
                                              512: [(3584, 1024), (1024, 3584)]}
 # mul_mat's dense path against ggml's kernel around its thresholds (dense_prefill.MIN_ROWS)
 BLOCK_32_TYPES = ["Q4_1"] if QUICK else ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-THRESHOLDS = {32: [(1024, 3584)]} if QUICK else {m: [(3584, 1024)] for m in (16, 32, 64)}
+THRESHOLDS = {32: [(1024, 3584)]} if QUICK else {m: [(3584, 1024)] for m in (32, 64, 96, 128)}
 # short prompts: the repacked layout against the plain one (Q4_0 and Q4_K: every AVX2 CPU repacks them)
 REPACKED_TYPES = ["Q4_0", "Q4_K"]
 SHORT = {1: [(1024, 3584)]} if QUICK else {m: [(3584, 1024), (1024, 3584)] for m in (1, 4, 8, 16, 64)}

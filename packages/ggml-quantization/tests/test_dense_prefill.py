@@ -45,10 +45,11 @@ def rows(m: int, k: int, seed: int = 1, *lead: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(BLOCK_32))
-@pytest.mark.parametrize("m", [64, 77])
-def test_product_of_the_dequantized_weight(gq, bf16_cpu, name, m):
+@pytest.mark.parametrize("extra", [0, 13])
+def test_product_of_the_dequantized_weight(gq, bf16_cpu, name, extra):
     n, k = 160, 288
     blocks, w = packed(gq, name, n, k)
+    m = gq.dense_prefill.MIN_ROWS[BLOCK_32[name]] + extra
     x = rows(m, k)
     got = gq.mul_mat(blocks, x, name, n)
     assert got.dtype == torch.float32 and got.shape == (m, n)
@@ -100,7 +101,7 @@ def test_repacked_weight(gq, bf16_cpu):
     if t not in gq.repacked_types():
         pytest.skip("this CPU's ggml does not repack Q4_0")
     blocks, _ = packed(gq, "Q4_0", 48, 128, seed=3)
-    x = rows(40, 128)
+    x = rows(gq.dense_prefill.MIN_ROWS[t], 128)
     got = gq.mul_mat(gq.repack(blocks, t), x, gq.repacked_type(t), 48)
     assert torch.equal(got, gq.mul_mat(blocks, x, t, 48))
 
@@ -167,12 +168,12 @@ def test_bad_input_refused_as_on_ggml_s_path(gq, bf16_cpu):
     """Input that passes `applies` but that ggml's op refuses gets the same exception, same words."""
     k, n = 64, 16
     blocks, _ = packed(gq, "Q8_0", n, k)
-    x = rows(64, k)
+    x = rows(max(gq.dense_prefill.MIN_ROWS.values()), k)  # every type's dense path
     wide = torch.zeros(n, 2 * blocks.shape[1], dtype=torch.uint8)
     big = torch.zeros(1024, 8 * 34, dtype=torch.uint8)
     cases = {
         "out_features": (blocks, x, "Q8_0", n + 1),
-        "K": (blocks, rows(64, 2 * k), "Q8_0", n),
+        "K": (blocks, rows(len(x), 2 * k), "Q8_0", n),
         "row bytes": (blocks[:, :30].contiguous(), x, "Q8_0", n),
         "not contiguous": (wide[:, ::2], x, "Q8_0", n),
         "blocks 3-D": (blocks[None], x, "Q8_0", n),
@@ -200,6 +201,6 @@ def test_native_bf16_dot_reads_the_cpu_flags(gq, tmp_path):
 def test_metal_builds_keep_ggml_s_kernels(gq, metal, monkeypatch):
     monkeypatch.setattr(metal.dense_prefill, "NATIVE_BF16", True)
     blocks = gq.quantize(torch.randn(32, 64), "Q4_0")  # quantize is the CPU build's alone
-    x = rows(64, 64)
+    x = rows(metal.dense_prefill.MIN_ROWS[2], 64)
     assert not metal.dense_prefill.applies(blocks, x, 2)
     assert torch.equal(metal.mul_mat(blocks, x, "Q4_0", 32), metal.mul_mat(blocks, x, "Q4_0", 32, exact=True))

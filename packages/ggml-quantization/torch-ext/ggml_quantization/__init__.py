@@ -90,7 +90,7 @@ def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int,
     x `(..., K)` -> `(..., out_features)` float32.
 
     On the CPU build with CPU tensors, a block-32 weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, repacked or
-    not) times at least `dense_prefill.MIN_ROWS[type]` rows (32; Q8_0 64) on a CPU with native
+    not) times at least `dense_prefill.MIN_ROWS[type]` rows (32 to 128 by type) on a CPU with native
     bfloat16 dot products (AVX512-BF16 / AMX) takes the dense path: ggml dequantizes the weight a
     chunk at a time and torch multiplies in bfloat16 with float32 accumulation, several times faster
     there. Its result is within bfloat16 rounding of the float32 product of the dequantized weight

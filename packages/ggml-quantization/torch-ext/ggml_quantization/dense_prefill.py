@@ -1,33 +1,41 @@
 """`mul_mat`'s dense path: a prefill product on a block-32 weight as ggml's `dequantize`, then a
 bfloat16 GEMM.
 
-Why. For many activation rows ggml-cpu multiplies Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 one (row, column)
-dot product at a time (llamafile's tiled sgemm covers Q4_0 / Q8_0 only, and the repacked layouts
-need ggml's own buffers), while the K-quants' dot products keep up with a dense GEMM. On a CPU with
-native bfloat16 dot products a dense bfloat16 GEMM (oneDNN, through torch) on the weight dequantized
-by ggml is several times faster from 32-64 rows on; ggml's own BLAS backend runs batches the same
-way: dequantize, then a dense GEMM. It is also closer to the float32 product: ggml rounds the
-activations to 8 bits per block of 32 (Q8_0 / Q8_1) before its dot products, bfloat16 keeps 8
-significant bits per value and accumulates in float32.
+Why. For many activation rows ggml-cpu multiplies Q4_1 and Q5_1 one (row, column) dot product at a
+time; Q4_0, Q5_0 and Q8_0 run llamafile's tiled sgemm, faster but still behind a dense GEMM; the
+K-quants' products keep up with one. On a CPU with native bfloat16 dot products a dense bfloat16
+GEMM (oneDNN, through torch) on the weight dequantized by ggml is several times faster at hundreds
+of rows; ggml's own BLAS backend runs batches the same way: dequantize, then a dense GEMM. It is
+also closer to the float32 product: ggml rounds the activations to 8 bits per block of 32 (Q8_0 /
+Q8_1) before its dot products, bfloat16 keeps 8 significant bits per value and accumulates in float32.
 
 When. `mul_mat` takes it (`applies`) for CPU tensors on the CPU build (the Metal builds keep ggml's
 kernels), a weight whose GGUF type, repacked or not, is in `MIN_ROWS`, at least that many activation
 rows, on a CPU with native bfloat16 dot products (`NATIVE_BF16`), unless called with `exact=True`.
 
-`MIN_ROWS` is where this path became the faster one, per type: 2 threads on a 2-core AMD EPYC (zen4:
-AVX512-BF16, no AMX), torch 2.13, ms per product, ggml's `mul_mat` / this path (2026-12-01). Measure
-it again with `kernels benchmark ./packages/ggml-quantization` (benchmarks/benchmark_mul_mat.py:
-`MulMat_exact` against `MulMat` at 16, 32 and 64 rows on every block-32 type):
+`MIN_ROWS`. This path pays one dequantize of the whole weight per call, then a GEMM whose cost grows
+with the rows; ggml's path costs a fixed amount per row. So the crossover is the dequantize's cost
+over the difference of the per-row costs, per type, and to first order the same for every shape.
+Measured on a 2-core AMD EPYC (zen4: AVX512-BF16, no AMX), torch 2.13, ms per product, ggml's
+`mul_mat` / this path:
 
-    type  shape (N x K)  M=16        M=32        M=64        M=512       MIN_ROWS
-    Q4_1  1536x576       0.26/0.30   0.52/0.35   1.01/0.41   8.30/1.48   32
-    Q4_0  576x1536                                           7.80/1.38   32
-    Q8_0  3584x1024                  0.87/1.20   1.74/1.51   13.2/5.35   64
+    type  shape (N x K)  threads  M=16       M=32       M=64       M=96       M=128      M=512
+    Q4_1  1536x576       2        0.26/0.30  0.52/0.35  1.01/0.41                         8.30/1.48
+    Q4_1  3584x1024      1        3.13/5.41  6.30/5.71  15.6/6.83  20.4/7.64
+    Q5_1  3584x1024      1                   10.3/10.1  12.9/7.94  28.5/9.59  25.5/10.0
+    Q4_0  576x1536       2                                                               7.80/1.38
+    Q4_0  3584x1024      1        1.61/6.29  2.82/4.80  5.29/6.95  9.54/9.06  14.1/8.89
+    Q5_0  3584x1024      1        1.82/6.44  3.26/9.44  6.31/8.17  8.69/9.53  16.2/15.0
+    Q8_0  3584x1024      2                   0.87/1.20  1.74/1.51                         13.2/5.35
+    Q8_0  3584x1024      1        1.60/3.17  3.59/4.11  5.09/4.89  7.45/6.30  13.0/7.13
 
-Q5_0 / Q5_1 take Q4_0's threshold: their dot products are slower than the 4-bit ones and the GEMM
-costs the same, so they cross over no later. Q8_0's dot products are twice as fast as the 4-bit
-ones, hence 64. An AMX CPU runs the GEMM faster still and ggml's dot products no faster, so its
-crossover is no later than these.
+The 2-thread rows are of 2026-12-01; the 1-thread rows of 2026-12-03, the best of 15 alternating
+calls each, with the machine shared (its 2-thread timings were unusable that day): treat them to
++-20 %. Hence Q4_1 / Q5_1 from 32 rows, Q8_0 from 64, Q4_0 from 96 and Q5_0 from 128 (their
+crossovers at ~90 and ~110 rows). Measure again with `kernels benchmark
+./packages/ggml-quantization` (benchmarks/benchmark_mul_mat.py: `MulMat_exact` against `MulMat` at
+32-128 rows on every block-32 type). An AMX CPU runs the GEMM faster still and ggml's dot products
+no faster, so its crossovers are no later than these.
 
 CPUs without native bfloat16 dot products (neither AVX512-BF16 nor AMX-BF16 in the CPU's flags):
 oneDNN emulates bfloat16 there with float32 arithmetic plus conversions, and no measurement shows
@@ -58,11 +66,11 @@ from .types import REPACKED, GGMLType
 
 # GGUF type -> fewest activation rows at which this path is the faster one (the table above)
 MIN_ROWS: dict[int, int] = {
-    GGMLType.Q4_0: 32,
-    GGMLType.Q4_1: 32,
-    GGMLType.Q5_0: 32,
+    GGMLType.Q4_1: 32,  # one dot product at a time on ggml's path
     GGMLType.Q5_1: 32,
-    GGMLType.Q8_0: 64,  # ggml's Q8_0 dot products are twice as fast as the 4-bit ones
+    GGMLType.Q8_0: 64,  # llamafile's tiles on ggml's path, and the cheapest dequantize
+    GGMLType.Q4_0: 96,
+    GGMLType.Q5_0: 128,
 }
 # bfloat16 bytes of weight dequantized at a time: the chunk stays in cache between ggml's dequantize
 # and the GEMM, and a large matrix (a 49152-row vocabulary projection) is never unpacked whole
