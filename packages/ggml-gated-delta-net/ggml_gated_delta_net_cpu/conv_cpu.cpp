@@ -198,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_impl(const at::Tensor& x, const
 }  // namespace
 
 const bool gdn_ops::kRepeatKeyHeads = false;
+const bool gdn_ops::kTensorsInHostMemory = true;
 
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
                                                  const std::optional<at::Tensor>& state,

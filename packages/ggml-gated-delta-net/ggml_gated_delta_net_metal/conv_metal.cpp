@@ -53,6 +53,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_metal_impl(
 }  // namespace
 
 const bool gdn_ops::kRepeatKeyHeads = true;
+const bool gdn_ops::kTensorsInHostMemory = false;
 
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
                                                  const std::optional<at::Tensor>& state,

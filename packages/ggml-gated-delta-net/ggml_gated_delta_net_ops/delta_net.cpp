@@ -14,6 +14,12 @@
 // Hv, Dk, Dv) view, and takes a state in either layout (transposing only a transformers-contiguous
 // one). ggml scales the output by 1/sqrt(D); q is pre-scaled so that the result is S^T (scale * q)
 // for the caller's scale (default D^-0.5, transformers' convention).
+//
+// The CPU build moves a slice's state and results with its own loops and memcpy through per-thread
+// host scratch (a decode step's slices are microseconds each). A Metal build's tensors may be
+// device memory (kTensorsInHostMemory false): there the input state is one torch tensor in ggml's
+// layout (the caller's, its transposed copy, or zeros) the graphs read in place, each slice's
+// result is a tensor on the op's device, and torch copies it to the output and the state.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -44,8 +50,20 @@ at::Tensor key_heads(const at::Tensor& x, int64_t r) {
   return dense_rows(kRepeatKeyHeads && r > 1 ? x.repeat_interleave(r, 2) : x);
 }
 
+// A graph leaf over t's elements from `offset` (elements of t from its first) on, ne / nb in ggml's
+// order (nb in bytes), noted in t: an address only the backend resolves, in t's own storage (the
+// MPS backend binds its Metal buffer at that byte offset), never read by the host.
+ggml_tensor* leaf_in(Graph& gr, const at::Tensor& t, int64_t offset, const int64_t (&ne)[4],
+                     const size_t (&nb)[4]) {
+  const char* address = static_cast<const char*>(t.data_ptr()) + offset * t.element_size();
+  ggml_tensor* leaf = gr.raw(ggml_type_of(t.scalar_type()), address, ne, nb);
+  gr.note(leaf, t);
+  return leaf;
+}
+
 // dst[h][i][j] = src[h][j][i] for hs blocks of D x D floats (src block stride `src_stride`).
-// ggml's state layout <-> transformers'; 8x8 tiles keep both sides in cache lines.
+// ggml's state layout <-> transformers'; 8x8 tiles keep both sides in cache lines. Host memory
+// only (host_floats).
 void transpose_blocks(const float* src, int64_t src_stride, float* dst, int64_t dst_stride,
                       int64_t hs, int64_t D) {
   constexpr int64_t kTile = 8;
@@ -65,11 +83,15 @@ void transpose_blocks(const float* src, int64_t src_stride, float* dst, int64_t 
 
 // A per-thread float buffer reused across calls. Slices of a decode step need ~0.5 MB of output
 // and state; a fresh torch tensor of that size per slice is mmapped and page-faulted on every call
-// (~1 ms for 16 heads). Buffers above kKeepBytes are not kept.
+// (~1 ms for 16 heads). Buffers above kKeepBytes are not kept. Host memory: the CPU build's only
+// (a Metal build binds only torch storages of the op's device into its graphs).
 class Scratch {
  public:
   ~Scratch() { std::free(data_); }
   at::Tensor tensor(int64_t n) {
+    TORCH_CHECK(kTensorsInHostMemory,
+                "ggml-gated-delta-net: a host scratch buffer would be bound into a graph, which "
+                "this build's backend (device memory) does not allow");
     const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
     if (bytes > kKeepBytes) return at::empty({n}, at::kFloat);
     if (bytes > cap_) {
@@ -172,7 +194,7 @@ ggml_tensor* scaled(Graph& g, ggml_tensor* t, float factor) {
 // One graph per run of whole key groups [h0, h1) of sequence b (run_slice). The value heads go to
 // ggml's sequence dim (v {D, 1, T, hs}, q/k {D, 1, T, hs / r}), where ggml broadcasts q/k
 // interleaved (sequence i reads i / r): transformers' repeat_interleave. Any head range works when
-// r == 1. Slices are described to ggml by pointer and strides (Graph::raw): a decode step runs
+// r == 1. Slices are described to ggml by offset and strides (leaf_in): a decode step runs
 // several slices per thread and torch views would cost more than the small ggml ops around the
 // kernel.
 class DeltaNetCall {
@@ -188,12 +210,9 @@ class DeltaNetCall {
         l2_normalize_qk_(l2_normalize_qk),
         in_place_(in_place),
         has_state_(state.has_value() && state->defined()),
-        // The state in ggml's layout (B, Hv, Dv, Dk) contiguous: taken as it is when the caller's
-        // state already is (a state this op returned, or transformers' cache holding one), else
-        // transposed slice by slice.
-        state_is_ggml_(has_state_ && state->transpose(2, 3).is_contiguous()),
         state_(has_state_ ? *state : at::Tensor()),
-        state_t_(has_state_ && !state_is_ggml_ ? state->contiguous() : at::Tensor()),
+        state_ggml_(state_in_ggml_layout(state, q.options(), dims)),
+        state_t_(has_state_ && !state_ggml_.defined() ? state->contiguous() : at::Tensor()),
         q_(key_heads(q, dims.Hv / dims.Hk)),
         k_(key_heads(k, dims.Hv / dims.Hk)),
         v_(dense_rows(v)),
@@ -206,11 +225,13 @@ class DeltaNetCall {
         new_state_ggml_(
             in_place ? state->transpose(2, 3)
                      : at::empty({dims.B, dims.Hv, dims.D, dims.D}, q.options().dtype(at::kFloat))),
-        // A decode step (T == 1) reads a slice's g / beta ({1, 1, 1, hs}) and writes its float32
-        // output rows straight from / to the tensors; other shapes gather and scatter through
-        // torch.
+        // A decode step (T == 1) reads a slice's g / beta ({1, 1, 1, hs}) straight from the
+        // tensors (graph leaves at an offset in their storage) and, on the CPU build, writes its
+        // float32 output rows straight to out_ (memcpy); other shapes and builds gather and
+        // scatter through torch.
         gates_direct_(dims.T == 1 && g_.stride(2) == 1 && beta_.stride(2) == 1),
-        out_direct_(dims.T == 1 && out_.scalar_type() == at::kFloat && out_.is_contiguous()) {
+        out_direct_(kTensorsInHostMemory && dims.T == 1 && out_.scalar_type() == at::kFloat &&
+                    out_.is_contiguous()) {
     // ggml's output is S^T q_in / sqrt(D): q_in = scale * sqrt(D) * q (scale D^-0.5 by default).
     // With l2 normalisation, rms_norm(x, eps / D) = sqrt(D) * x / sqrt(sum(x^2) + eps) =
     // sqrt(D) * l2norm(x, eps): q's sqrt(D) is already there and k's is divided out.
@@ -245,18 +266,28 @@ class DeltaNetCall {
   }
 
  private:
+  // The input state as the graphs read it in place, (B, Hv, Dv, Dk) contiguous (ggml's layout):
+  // the caller's when it already is one (a state this op returned, or transformers' cache holding
+  // one); on a build whose tensors may be device memory also its transposed copy, or zeros without
+  // a state, made by torch on the op's device. Undefined otherwise: the CPU build transposes (or
+  // zeroes) slice by slice into host scratch (state_in).
+  static at::Tensor state_in_ggml_layout(const std::optional<at::Tensor>& state,
+                                         const at::TensorOptions& options,
+                                         const DeltaNetDims& dims) {
+    const bool has_state = state.has_value() && state->defined();
+    if (has_state && state->transpose(2, 3).is_contiguous()) return state->transpose(2, 3);
+    if (kTensorsInHostMemory) return at::Tensor();
+    if (has_state) return state->transpose(2, 3).contiguous();
+    return at::zeros({dims.B, dims.Hv, dims.D, dims.D}, options.dtype(at::kFloat));
+  }
+
   // x (B, T, H, D)[b, :, h:h+nh, :] as ggml {D, 1, T, nh}: heads as sequences
   ggml_tensor* heads_as_seqs(Graph& gr, const at::Tensor& x, int64_t b, int64_t h,
                              int64_t nh) const {
     const auto es = static_cast<size_t>(x.element_size());
-    const char* base =
-        static_cast<const char*>(x.data_ptr()) + (b * x.stride(0) + h * x.stride(2)) * es;
-    ggml_tensor* view =
-        gr.raw(ggml_type_of(x.scalar_type()), base, {dims_.D, 1, dims_.T, nh},
-               {es, static_cast<size_t>(dims_.D) * es, static_cast<size_t>(x.stride(1)) * es,
-                static_cast<size_t>(x.stride(2)) * es});
-    gr.note(view, x);  // a backend that binds storages (MPS) finds it in x's
-    return view;
+    return leaf_in(gr, x, b * x.stride(0) + h * x.stride(2), {dims_.D, 1, dims_.T, nh},
+                   {es, static_cast<size_t>(dims_.D) * es, static_cast<size_t>(x.stride(1)) * es,
+                    static_cast<size_t>(x.stride(2)) * es});
   }
 
   // q or k of key heads [kh, kh + nkh) as float32, L2-normalised and scaled as ggml must read them.
@@ -273,36 +304,37 @@ class DeltaNetCall {
   // gathered into `keep`, which the caller holds until the graph has run.
   ggml_tensor* per_seq(Graph& gr, const at::Tensor& x, int64_t b, int64_t h0, int64_t hs,
                        at::Tensor& keep) const {
-    if (gates_direct_) {
-      ggml_tensor* view = gr.raw(GGML_TYPE_F32, x.data_ptr<float>() + b * x.stride(0) + h0,
-                                 {1, 1, 1, hs}, {4, 4, 4, 4});
-      gr.note(view, x);
-      return view;
-    }
+    if (gates_direct_) return leaf_in(gr, x, b * x.stride(0) + h0, {1, 1, 1, hs}, {4, 4, 4, 4});
     keep = x.select(0, b).narrow(1, h0, hs).t().contiguous().view({hs, dims_.T, 1, 1});
     return gr.view(keep);
   }
 
   // The input state of value heads [h0, h0 + hs) as ggml's {D, D, 1, hs} (its layout): read in
-  // place, or transposed (zeros without a state) into `keep`, held by the caller.
+  // place from state_ggml_, or on the CPU build transposed (zeros without a state) into `keep`,
+  // held by the caller.
   ggml_tensor* state_in(Graph& gr, int64_t b, int64_t h0, int64_t hs, at::Tensor& keep) const {
     const int64_t D = dims_.D, first = (b * dims_.Hv + h0) * D * D;
-    if (state_is_ggml_) {
+    if (state_ggml_.defined()) {
       const size_t block = static_cast<size_t>(D * D) * sizeof(float);
-      ggml_tensor* view =
-          gr.raw(GGML_TYPE_F32, state_.data_ptr<float>() + first, {D, D, 1, hs},
-                 {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
-      gr.note(view, state_);
-      return view;
+      return leaf_in(gr, state_ggml_, first, {D, D, 1, hs},
+                     {sizeof(float), static_cast<size_t>(D) * sizeof(float), block, block});
     }
     keep = t_state.tensor(hs * D * D).view({hs, 1, D, D});
+    float* to = host_floats(keep, "the state's transposition");
     if (has_state_) {
-      transpose_blocks(state_t_.data_ptr<float>() + first, D * D, keep.data_ptr<float>(), D * D, hs,
-                       D);
+      transpose_blocks(host_floats(state_t_, "the state's transposition") + first, D * D, to, D * D,
+                       hs, D);
     } else {  // a memset: torch's zero_ costs ~5 us a call, once per slice of a first forward
-      std::memset(keep.data_ptr<float>(), 0, static_cast<size_t>(keep.numel()) * sizeof(float));
+      std::memset(to, 0, static_cast<size_t>(keep.numel()) * sizeof(float));
     }
     return gr.view(keep);
+  }
+
+  // A slice's graph result {D, hs * (T + D)} as (hs * (T + D), D) float32: host scratch on the
+  // CPU build, a tensor on the op's device elsewhere.
+  at::Tensor slice_result(int64_t rows) const {
+    if (kTensorsInHostMemory) return t_dst.tensor(rows * dims_.D).view({rows, dims_.D});
+    return at::empty({rows, dims_.D}, out_.options().dtype(at::kFloat));
   }
 
   // The graph of value heads [h0, h1) of sequence b, its run, and its results stored.
@@ -316,30 +348,38 @@ class DeltaNetCall {
         per_seq(gr, g_, b, h0, hs, g_keep), per_seq(gr, beta_, b, h0, hs, beta_keep),
         state_in(gr, b, h0, hs, state_keep), 1);
     // {D, hs * (T + D)}: the output (hs, T, D), then the final states (hs, D, D), ggml's layout
-    const at::Tensor dst = t_dst.tensor(hs * (T + D) * D).view({hs * (T + D), D});
+    const at::Tensor dst = slice_result(hs * (T + D));
     gr.compute(y, dst);
     store_slice(dst, b, h0, hs);
   }
 
+  // The slice's output rows and final states from its graph result `dst` to out_ and
+  // new_state_ggml_: memcpy on the CPU build (torch's copy_ costs microseconds a call, a decode
+  // step has several slices per thread), torch's copy_ on the op's device elsewhere.
   void store_slice(const at::Tensor& dst, int64_t b, int64_t h0, int64_t hs) {
     const int64_t T = dims_.T, D = dims_.D, Hv = dims_.Hv;
-    const float* dst_mem = dst.data_ptr<float>();
+    const at::Tensor rows = dst.narrow(0, 0, hs * T), states = dst.narrow(0, hs * T, hs * D);
     if (out_direct_) {  // out (B, 1, Hv, D): these heads' rows are hs * D consecutive floats
-      std::memcpy(out_.data_ptr<float>() + (b * Hv + h0) * D, dst_mem,
+      std::memcpy(host_floats(out_, "the output's store") + (b * Hv + h0) * D,
+                  host_floats(rows, "the output's store"),
                   static_cast<size_t>(hs * D) * sizeof(float));
     } else {
-      out_.select(0, b).narrow(1, h0, hs).copy_(
-          dst.narrow(0, 0, hs * T).view({hs, T, D}).transpose(0, 1));
+      out_.select(0, b).narrow(1, h0, hs).copy_(rows.view({hs, T, D}).transpose(0, 1));
     }
     // in place: these heads' input state was read by the graph and is not read again
-    std::memcpy(new_state_ggml_.data_ptr<float>() + (b * Hv + h0) * D * D, dst_mem + hs * T * D,
-                static_cast<size_t>(hs * D * D) * sizeof(float));
+    if (kTensorsInHostMemory) {
+      std::memcpy(host_floats(new_state_ggml_, "the state's store") + (b * Hv + h0) * D * D,
+                  host_floats(states, "the state's store"),
+                  static_cast<size_t>(hs * D * D) * sizeof(float));
+    } else {
+      new_state_ggml_.select(0, b).narrow(0, h0, hs).copy_(states.view({hs, D, D}));
+    }
   }
 
   const DeltaNetDims dims_;
   const int64_t r_;
-  const bool l2_normalize_qk_, in_place_, has_state_, state_is_ggml_;
-  const at::Tensor state_, state_t_, q_, k_, v_, g_, beta_;
+  const bool l2_normalize_qk_, in_place_, has_state_;
+  const at::Tensor state_, state_ggml_, state_t_, q_, k_, v_, g_, beta_;
   at::Tensor out_, new_state_ggml_;
   const bool gates_direct_, out_direct_;
   double q_mul_ = 1.0, k_mul_ = 1.0;

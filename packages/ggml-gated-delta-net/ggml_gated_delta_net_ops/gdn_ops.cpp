@@ -2,6 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
+#include "torch_binding.h"
+
 using namespace ggml_kernels;
 
 namespace gdn_ops {
@@ -10,6 +14,20 @@ void check_float(const at::Tensor& t, const char* name) {
   check_device(t, name);
   check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf}, name);
 }
+
+namespace {
+std::atomic<int64_t> g_host_tensor_accesses{0};
+}  // namespace
+
+float* host_floats(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(kTensorsInHostMemory, "ggml-gated-delta-net: ", what,
+              " would read or write tensor memory from the host, which this build's tensors ",
+              "(device memory) do not allow");
+  g_host_tensor_accesses.fetch_add(1, std::memory_order_relaxed);
+  return t.data_ptr<float>();
+}
+
+int64_t host_tensor_accesses() { return g_host_tensor_accesses.load(std::memory_order_relaxed); }
 
 ggml_tensor* as_f32(Graph& g, ggml_tensor* t) {
   return t->type == GGML_TYPE_F32 ? t : ggml().ggml_cast(g.ctx(), t, GGML_TYPE_F32);

@@ -48,4 +48,19 @@ at::Tensor rolling_state(const at::Tensor& x, const at::Tensor& state, const Con
 // index (no broadcast: past q's end when q has fewer sequences), so Metal repeats them.
 extern const bool kRepeatKeyHeads;
 
+// Whether the op's own code may read and write its tensors' memory; defined per backend
+// (conv_cpu.cpp: true, the CPU build's tensors are host memory; conv_metal.cpp: false, for every
+// Metal build, whose tensors on a Mac are MPS tensors in private Metal buffers: their data pointers
+// are no host addresses). Where it is false, every step is a torch op on the tensors or a graph
+// node bound to their storages (Graph::view / Graph::raw + Graph::note), and nothing of the op's
+// own (a host scratch buffer) is bound into a graph.
+extern const bool kTensorsInHostMemory;
+
+// The one door of the op's own code to tensor memory: t's floats (t float32), for memcpy and
+// loops on the CPU build's fast paths. RuntimeError naming `what` on a build whose tensors the
+// host cannot address (kTensorsInHostMemory false), instead of reading or corrupting device memory:
+// the Metal builds' tests run every path, so a step that reaches here there fails them. Counted
+// (host_tensor_accesses, torch_binding.h).
+float* host_floats(const at::Tensor& t, const char* what);
+
 }  // namespace gdn_ops

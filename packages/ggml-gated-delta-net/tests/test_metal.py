@@ -52,6 +52,39 @@ def test_gated_delta_net(metal, gdn, T, Hk, Hv, D, l2):
     assert_float_close(new_state, state_ref, 1e-5)
 
 
+def host_path_calls(module):
+    """gated_delta_net calls that take each host fast path of the CPU build: a decode step (memcpy of
+    float32 output rows and of the states) on a transformers-layout state (tiled transposition into
+    host scratch), a prefill without a state (memset), an in-place decode on a state in ggml's layout."""
+    q, k, v, gate, beta, state = delta_net_inputs(2, 1, 2, 4, 32, seed=5)
+    out, new_state = module.gated_delta_net(q, k, v, gate, beta, state.contiguous(), l2_normalize_qk=True)
+    q7, k7, v7, gate7, beta7, _ = delta_net_inputs(1, 7, 1, 2, 64, seed=6)
+    out7, state7 = module.gated_delta_net(q7, k7, v7, gate7, beta7, l2_normalize_qk=True)
+    cached = new_state.clone()
+    out_in_place = module.gated_delta_net_(q, k, v, gate, beta, cached, l2_normalize_qk=True)
+    return [out, new_state, out7, state7, out_in_place, cached]
+
+
+def test_no_host_access_to_tensor_memory(metal, gdn):
+    """On a Mac a Metal build's tensors are MPS tensors in private Metal buffers: their data pointers
+    are no host addresses, and a host read or write (or a host scratch buffer bound into a graph)
+    fails or corrupts memory. The Linux builds' stand-ins are CPU tensors, where such a step goes
+    unnoticed. So the ops' own code reaches tensor memory through one door (gdn_ops::host_floats,
+    and the host scratch), which counts each access (ops._host_tensor_accesses) and raises on a
+    build whose tensors may be device memory. The calls take every host fast path of the CPU build:
+    they must count there (or the count proves nothing) and count 0 on each Metal build, whose
+    results are the CPU build's within 1e-5 of the scale (float32 sums in another order)."""
+    before = gdn.ops._host_tensor_accesses()
+    want = host_path_calls(gdn)
+    assert gdn.ops._host_tensor_accesses() > before
+    before = metal.ops._host_tensor_accesses()
+    got = host_path_calls(metal)
+    assert metal.ops._host_tensor_accesses() == before
+    for g, w in zip(got, want, strict=True):
+        assert g.stride() == w.stride()
+        assert_float_close(g, w, 1e-5)
+
+
 def test_gated_delta_net_in_place_without_state_and_bf16(metal, gdn):
     q, k, v, gate, beta, _ = delta_net_inputs(1, 3, 2, 4, 64, dtype=torch.bfloat16, seed=1)
     out, state = metal.gated_delta_net(q, k, v, gate, beta, l2_normalize_qk=True, scale=0.2)

@@ -31,6 +31,10 @@ GGML_KERNELS_LIBRARY(m) {
   m.def("gates(Tensor A_log, Tensor a, Tensor dt_bias, Tensor b) -> (Tensor, Tensor)");
   // weight * rms_norm(x) * silu(gate) over the last dim (Qwen3.5's gated RMSNorm).
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
+  // Diagnostics: how many times the ops' own code read or wrote tensor memory from the host since
+  // load (the CPU build's fast paths; always 0 on a Metal build, whose tensors may be device
+  // memory). Takes no tensor, so it has no dispatch key: a plain (catch-all) kernel.
+  m.def("_host_tensor_accesses() -> int", &gdn_ops::host_tensor_accesses);
 }
 
 GGML_KERNELS_LIBRARY_IMPL(GGML_KERNELS_DISPATCH_KEY, m) {

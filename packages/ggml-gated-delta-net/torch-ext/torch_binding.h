@@ -22,6 +22,9 @@ std::tuple<at::Tensor, at::Tensor> gates(const at::Tensor& A_log, const at::Tens
                                          const at::Tensor& dt_bias, const at::Tensor& b);
 at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
                           double eps);
+// How many times gdn_ops::host_floats gave tensor memory to the ops' own code since load: the CPU
+// build's fast paths count; a Metal build's must stay at 0 (its tests require it).
+int64_t host_tensor_accesses();
 }  // namespace gdn_ops
 
 // causal_conv1d per backend: ggml_gated_delta_net_cpu/conv_cpu.cpp (SSM_CONV's sums, vectorised),
