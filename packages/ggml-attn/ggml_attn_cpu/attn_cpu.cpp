@@ -73,7 +73,7 @@ class AttentionCall {
         q32_(float32_query(q)),
         k_(dense_rows(k)),
         v_(dense_rows(v)),
-        mask_(additive_mask(mask, causal, b_, hq_, sq_, skv_)),
+        mask_(additive_mask(mask, causal, b_, hq_, sq_, skv_, q.device())),
         sinks32_(std::move(sinks32)),
         out_(at::empty({b_, sq_, hq_, dv_}, q.options().dtype(at::kFloat))) {}
 

@@ -124,7 +124,7 @@ at::Tensor flash_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                     kMaxQueries, " query rows per call, got ", q.size(2));
   const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), skv = k.size(2), dv = v.size(3);
   const at::Tensor sinks32 = float32_sinks(sinks, hq);
-  const at::Tensor m = additive_mask(mask, causal, b, hq, sq, skv);
+  const at::Tensor m = additive_mask(mask, causal, b, hq, sq, skv, q.device());
   const at::Tensor q32 = float32_query(q), kd = dense_rows(k), vd = dense_rows(v);
   at::Tensor out = at::empty({b, sq, hq, dv}, q.options().dtype(at::kFloat));
   if (out.numel() > 0 && skv == 0) out.zero_();  // nothing to attend to

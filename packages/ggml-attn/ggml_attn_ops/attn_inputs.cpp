@@ -93,7 +93,7 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
 // The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous.
 // Undefined when nothing is masked.
 at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int64_t b, int64_t hq,
-                         int64_t sq, int64_t skv) {
+                         int64_t sq, int64_t skv, at::Device device) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::Tensor m;
   if (mask.has_value() && mask->defined()) {
@@ -121,10 +121,10 @@ at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int
   const bool causal_masks_something = causal && sq > 1;
   if (causal_masks_something || (causal && skv < sq)) {
     if (!m.defined()) check_size({sq, skv}, at::kHalf, "the additive f16 causal mask");
-    auto opts = at::TensorOptions().dtype(at::kLong);
+    const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
     at::Tensor hidden =
         at::arange(skv, opts).unsqueeze(0) > (at::arange(sq, opts).unsqueeze(1) + (skv - sq));
-    if (!m.defined()) m = at::zeros({1, 1, sq, skv}, at::TensorOptions().dtype(at::kHalf));
+    if (!m.defined()) m = at::zeros({1, 1, sq, skv}, opts.dtype(at::kHalf));
     m.masked_fill_(hidden, neg_inf);
   }
   return m.defined() ? m.contiguous() : m;

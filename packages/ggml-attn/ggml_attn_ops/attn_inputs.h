@@ -18,9 +18,10 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
 
 // The additive f16 mask ggml reads: (Bm, Hm, Sq, Skv), Bm in {1, B}, Hm in {1, Hq}, contiguous,
 // -inf where a key is hidden (the caller's mask and / or causal, aligned bottom-right), within
-// kMaxTensorBytes. Undefined when nothing is masked.
+// kMaxTensorBytes, made by torch on `device` (q's: a Metal build binds only storages of the op's
+// device into its graph). Undefined when nothing is masked.
 at::Tensor additive_mask(const std::optional<at::Tensor>& mask, bool causal, int64_t b, int64_t hq,
-                         int64_t sq, int64_t skv);
+                         int64_t sq, int64_t skv, at::Device device);
 
 // The sinks as float32 (one per query head), undefined when there are none.
 at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq);
