@@ -26,7 +26,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+# torch is imported where it is used: tools/build/darwin.py reads the variant names from this file
+# in an environment without torch (`nox -s build-darwin`)
 
 BUILDS_ENV = "GGML_KERNELS_BUILDS"
 QUANTIZATION = "ggml-org/ggml-quantization"
@@ -65,9 +66,15 @@ class Backend:
     def variant(self, torch_version: str | None = None) -> str:
         """The variant folder name of this backend's builds for `torch_version` (default: the running
         torch), as kernels names them: Linux builds carry the C++ ABI, darwin builds none."""
-        major, minor = (torch_version or torch.__version__).split("+")[0].split(".")[:2]
+        if torch_version is None:
+            import torch
+
+            torch_version = torch.__version__
+        major, minor = torch_version.split("+")[0].split(".")[:2]
         if not self.arch.endswith("-linux"):
             return f"torch{major}{minor}-{self.arch}"
+        import torch
+
         abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"
         return f"torch{major}{minor}-{abi}-{self.arch}"
 
@@ -91,6 +98,8 @@ def host_problem(backend: str) -> str | None:
     with macOS >= `MIN_MACOS` and torch's MPS device; the others run anywhere our builds load."""
     if backend_of(backend).device != "mps":
         return None
+    import torch
+
     system, machine, macos = platform.system(), platform.machine(), platform.mac_ver()[0]
     mps = torch.backends.mps.is_available()
     if system == "Darwin" and machine == "arm64" and _version(macos) >= _version(MIN_MACOS) and mps:
@@ -116,6 +125,8 @@ def _version(text: str) -> tuple[int, ...]:
 
 def backend_kwargs() -> dict:
     """Our builds are CPU builds; on a CUDA build of torch, kernels must be told to take them."""
+    import torch
+
     return {"backend": "cpu"} if torch.version.cuda else {}
 
 
