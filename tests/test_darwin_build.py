@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -101,6 +102,19 @@ def test_variant_names(tmp_path, name, version):
             macho_check.torch_version_of(tmp_path / name)
     else:
         assert macho_check.torch_version_of(tmp_path / name) == version
+
+
+def test_the_variant_name_is_read_without_torch():
+    """`nox -s build-darwin` has no torch in its environment: the variant name (the integration's rule,
+    read from its file) must come without importing it."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from tools.build import darwin\n"
+        "print(darwin.variant_name(darwin.darwin_toolchain.TorchMac('2.14.1', None, None)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch214-metal-aarch64-darwin"
 
 
 BUILT = sorted(REPO.glob("packages/*/build/torch*-metal-aarch64-darwin"))
