@@ -5,8 +5,9 @@
 - Storage types: ggml_quantization/types.py (STORAGE_TYPES, GGMLType) is the Python source; the
   C++ check (kStorageTypes in common/ggml_torch.cpp and its error message) holds the same ids, the
   built op refuses exactly the others, and the names and ids are ggml's own (ggml.h of the pin).
-- Build variant names: tools/build/build.py torch_variant(); the integration (installable without
-  this checkout, so it keeps its own, locate.cpu_variant()) agrees.
+- Build variant names: the integration's locate.Backend.variant() is the one rule (the integration
+  installs without this checkout); tools/build (torch_variant(), darwin.variant_name()) read it from
+  the integration's file, and the names are kernels' (torch<XY>-<abi>-<arch>).
 - Hub ids: each package's build.toml; every Hub id written in the repo's Python is one of them, and
   the integration knows all of them.
 - A CPU build on a CUDA torch needs backend="cpu": the integration's locate.backend_kwargs() is the
@@ -91,8 +92,9 @@ def test_type_names_and_ids_are_ggmls():
     assert {name: ggml.get(name) for name in ours} == ours
 
 
-def test_variant_name_matches_the_integration():
-    assert integration_locate().cpu_variant() == torch_variant()
+def test_variant_name_is_the_integrations_rule_in_kernels_form():
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    assert torch_variant() == integration_locate().cpu_variant() == f"torch{major}{minor}-cxx11-cpu-x86_64-linux"
 
 
 def test_hub_ids_come_from_build_toml():
