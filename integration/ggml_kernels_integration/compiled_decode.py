@@ -25,7 +25,8 @@ tools.bench.ab_decode --feature compiled-decode`, median of 5 alternating rounds
 32-token prompt, 48-64 decode steps, eager = transformers' dynamic cache with `kv_cache`):
 - faster per token: 1 thread, SmolLM2-135M Q4_1 34.9 -> 25.8 ms/token (1.35x); Qwen3.5-0.8B-shaped
   Q4_K_M 54.8 -> 44.3 ms/token (1.24x). At 2 threads the shared machine was too loaded to measure
-  (ggml's threads spin: every run was 20x slower; 0.8B 327 -> 282 ms/token there);
+  (ggml's threads spin: runs were 5-20x slower than quiet ones, and split both ways: 0.8B 327 ->
+  282 ms/token, SmolLM2 112 -> 146);
 - but a compile costs 36-94 s per model and shape on this machine (SmolLM2 43-70 s, 0.8B 36-90 s,
   the tiny test models 13-41 s with inductor's on-disk cache warm): 10k tokens and more to pay back;
 - and inductor's fused float code rounds its own way (vectorized exp, sin, ...): bit-identical on
