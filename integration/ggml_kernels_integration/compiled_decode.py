@@ -18,7 +18,9 @@ fails (dynamo or inductor raises before the graph runs, so nothing was written i
 falls back to the eager forward for that step and the model's later generations, with one warning.
 Inside a compiled step `projection_groups`' shared calls step aside (`torch.compiler.is_compiling()`:
 they keep outputs between calls), which changes no bit; `kv_cache` is not involved (a static cache).
-A static cache needed one fix to be exact: see `causal_alignment`.
+A static cache needed one fix to be exact, in ggml-attn's `flash_attn_forward`: a prefill into it
+comes without a mask, which transformers means as SDPA's top-left causal (the cache's empty
+positions unseen); ggml-attn read it bottom-right.
 
 Why it is off by default (AMD EPYC zen4, 2 cores shared with other jobs; `python -m
 tools.bench.ab_decode --feature compiled-decode`, median of 5 alternating rounds in one process,
@@ -44,6 +46,17 @@ import time
 import warnings
 
 import torch
+
+from . import compat
+
+# generate()'s static cache and compile config, its compiled forward
+compat.needs(
+    ("transformers", "GenerationMixin.generate", ("self",)),
+    ("transformers", "PreTrainedModel.get_compiled_call", ("self", "compile_config")),
+    ("transformers", "CompileConfig", None),
+    ("transformers", "StaticCache", None),
+)
+
 
 LOGGER = logging.getLogger("ggml_kernels_integration")
 DEFAULT = False  # off: faster per token, but see the module docstring for the compile time and numerics

@@ -12,9 +12,9 @@ Qwen3.5 dense and MoE files (Q4_K_M mix, tools/models/make_gguf.py) and a tiny l
   router softmax picks the experts' weights; the eager tests allow 1 % between decode kernels.
 - compiled against the eager default (transformers' dynamic cache): the same first token, and every
   step's logits within the same 0.5 %: a static cache changes no kernel's input, once a prefill
-  into it attends top-left causal as transformers means it (`causal_alignment`; before, ggml-attn
-  read the missing mask bottom-right: 6-16 % off on the tiny llama). Measured: as on the static cache.
-- `causal_alignment` alone: ggml-attn with the wrapper against SDPA's top-left `is_causal`.
+  into it attends top-left causal as transformers means it (ggml-attn's `flash_attn_forward`; when
+  it read the missing mask bottom-right: 6-16 % off on the tiny llama). Measured: as on the static cache.
+- ggml-attn's `flash_attn_forward` alone, without a mask, against SDPA's top-left `is_causal`.
 """
 
 from __future__ import annotations
@@ -211,7 +211,6 @@ def test_a_prefill_into_a_longer_cache_attends_top_left(queries, keys, masked):
     """No mask, 6 queries from position 0, a 10-position cache whose last 4 are empty: query i sees
     keys 0..i (SDPA's `is_causal`, as transformers means it); the other cases pass through unchanged."""
     import torch
-    from ggml_kernels_integration import causal_alignment
     from torch import nn
 
     from tools.testing.kernel_testing import load_kernel
@@ -222,7 +221,7 @@ def test_a_prefill_into_a_longer_cache_attends_top_left(queries, keys, masked):
     k, v = torch.randn(2, 1, 2, keys, 64, generator=gen)
     k[..., queries:, :], v[..., queries:, :] = 0, 0  # a static cache's empty positions
     mask = torch.ones(1, 1, queries, keys, dtype=torch.bool).tril(keys - queries) if masked else None
-    got, _ = causal_alignment.top_left_causal(attn.flash_attn_forward)(nn.Module(), q, k, v, mask, scaling=0.125)
+    got, _ = attn.flash_attn_forward(nn.Module(), q, k, v, mask, scaling=0.125)
     k2, v2 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     if masked or queries == 1:
         want = torch.nn.functional.scaled_dot_product_attention(q, k2, v2, attn_mask=mask, scale=0.125)

@@ -160,12 +160,19 @@ def test_supports_flash_attn(ga):
 
 
 def test_flash_attn_forward_contract(ga):
-    """transformers' interface: mask None = causal bottom-right; output (B, Sq, Hq, D), None."""
+    """transformers' interface: mask None = SDPA's `is_causal` (top-left; one query sees every key);
+    output (B, Sq, Hq, D), None."""
     q, k, v = qkv(2, 8, 2, 5, 12, 64)
     out, weights = ga.flash_attn_forward(torch.nn.Module(), q, k, v, None, scaling=0.125)
     assert weights is None and out.shape == (2, 5, 8, 64) and out.is_contiguous()
-    ref = ga.reference.flash_attn(q, k, v, causal=True, scale=0.125).transpose(1, 2)
-    assert rel_err(out, ref) < TOL[torch.float32]
+    k2, v2 = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert rel_err(out, sdpa(q, k2, v2, is_causal=True, scale=0.125).transpose(1, 2)) < TOL[torch.float32]
+    for sq in (1, 12):  # one query, and as many as keys: top-left and bottom-right agree
+        q1, k1, v1 = qkv(2, 8, 2, sq, 12, 64, seed=1)
+        out, _ = ga.flash_attn_forward(torch.nn.Module(), q1, k1, v1, None, scaling=0.125)
+        ref = ga.reference.flash_attn(q1, k1, v1, causal=True, scale=0.125).transpose(1, 2)
+        assert rel_err(out, ref) < TOL[torch.float32]
     mask = torch.ones(2, 1, 5, 12, dtype=torch.bool)
     mask[0, ..., :2] = False
     out, _ = ga.flash_attn_forward(torch.nn.Module(), q, k, v, mask, scaling=0.125)
@@ -175,7 +182,7 @@ def test_flash_attn_forward_contract(ga):
 def test_flash_attn_forward_reads_the_modules_softcap(ga):
     """A module's `attn_logit_softcapping` (an instance attribute, as Gemma 2 sets it, or a class
     attribute) softcaps the logits; a module without one gets none; a `softcap` kwarg wins."""
-    q, k, v = qkv(1, 4, 2, 3, 9, 64)
+    q, k, v = qkv(1, 4, 2, 9, 9, 64)
     q = q * 20  # logits large enough for a softcap of 2 to matter
     capped = ga.reference.flash_attn(q, k, v, causal=True, scale=0.125, softcap=2.0).transpose(1, 2)
     plain = ga.reference.flash_attn(q, k, v, causal=True, scale=0.125).transpose(1, 2)

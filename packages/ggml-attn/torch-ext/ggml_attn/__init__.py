@@ -86,12 +86,20 @@ def flash_attn_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface. attention_mask None means causal (bottom-right); else a
-    bool (B, 1, Sq, Skv) mask, True = attend. Returns ((B, Sq, Hq, D), None)."""
+    """transformers' attention interface: attention_mask a bool (B, 1, Sq, Skv) mask, True = attend,
+    or None, which means what it means to SDPA (transformers builds this kernel's masks with
+    `sdpa_mask`, and leaves one out only where SDPA's `is_causal` gives the same result): causal
+    aligned top-left, query i seeing keys 0..i. transformers leaves it out for one query (every key),
+    as many queries as keys, and a prefill from position 0 into a static cache longer than the prompt,
+    whose positions past it are empty: there only the first Sq keys are read. Returns
+    ((B, Sq, Hq, D), None)."""
     if dropout and module.training:
         raise ValueError("ggml-attn is an inference kernel: dropout is not supported")
     if attention_mask is None:
         causal = True if is_causal is None else bool(is_causal)
+        queries = query.shape[-2]
+        if causal and 1 < queries < key.shape[-2]:  # top-left: bottom-right over the first Sq keys
+            key, value = key[..., :queries, :], value[..., :queries, :]
     else:
         causal = False
     softcap = kwargs.get("softcap") or _softcap_of(module)
