@@ -57,7 +57,6 @@ import torch
 
 from . import (
     archs,
-    causal_alignment,
     compat,
     compiled_decode,
     dense_prefill,
@@ -245,7 +244,6 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool, backend: str) ->
 
     _point_hub_ids_at(patches, ours)
     kernels_gate.install(patches, ours)  # transformers 5.23 with kernels 0.17: its GGUF path uses them
-    causal_alignment.install(patches)  # a prefill into a static cache: no mask means top-left causal
     patches.set_attr(gguf_kernels, "_gguf_kernel", None)  # forget a lookup made before enable()
     _map_layer_kernels(patches, ours, backend)
     archs.register(patches)  # llama files (SmolLM2, ...) kept packed too
@@ -268,6 +266,14 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool, backend: str) ->
         steps.append(_log_summary)
         _show_reports(patches)
     _after_each_gguf_load(patches, *steps)
+
+
+# transformers' own lookup, not kernels' `get_kernel` as hub_kernels imports it: that import is
+# skipped where transformers does not take the installed kernels (5.23 with kernels 0.17)
+compat.needs(
+    ("transformers.integrations.hub_kernels", "get_kernel", ("kernel_name", "revision", "version")),
+    ("kernels", "get_kernel", ("repo_id",)),
+)
 
 
 def _point_hub_ids_at(patches: PatchSet, ours: dict) -> None:
@@ -293,6 +299,13 @@ def _point_hub_ids_at(patches: PatchSet, ours: dict) -> None:
     patches.wrap(hub_kernels, "get_kernel", make)
 
 
+compat.needs(
+    ("transformers.integrations.gguf.kernels", "get_ggml_layer_mapping", ()),
+    ("kernels", "LocalLayerRepository.__init__", ("self", "repo_path", "layer_name")),
+    ("kernels", "Mode.INFERENCE", None),
+)
+
+
 def _map_layer_kernels(patches: PatchSet, ours: dict, backend: str) -> None:
     """Layer kernels for the devices we build for, from the build folder itself (no Hub call, no
     backend guess). transformers drops a layer whose every entry does not load, and its "mps" entries
@@ -312,6 +325,13 @@ def _map_layer_kernels(patches: PatchSet, ours: dict, backend: str) -> None:
         return layer_mapping
 
     patches.wrap(gguf_kernels, "get_ggml_layer_mapping", make)
+
+
+compat.needs(
+    ("transformers.integrations.gguf.kernels", "get_gguf_kernel", ()),
+    ("transformers.integrations.gguf.kernels", "kernel_can_read", ("tensor",)),
+    ("transformers.integrations.gguf.utils", "GgufLinear._unpack_matmul", ("self", "flat")),
+)
 
 
 def _route_cpu_reads_through_kernels(patches: PatchSet, quant) -> None:
@@ -368,6 +388,11 @@ def _show_reports(patches: PatchSet) -> None:
     patches.on_restore(undo, "ggml_kernels_integration logger")
 
 
+compat.needs(
+    ("transformers.quantizers.quantizer_gguf", "GgufHfQuantizer._process_model_after_weight_loading", ("self", "model")),
+)
+
+
 def _after_each_gguf_load(patches: PatchSet, *steps) -> None:
     """Run `step(model)` for each step once transformers has loaded a GGUF model's weights; kernels'
     per-layer "No kernel mapping" warnings of that load are held back (`report` says it once)."""
@@ -401,6 +426,13 @@ def _return_freed_memory(model=None) -> None:
         pass
 
 
+compat.needs(  # where config, tokenizer and quantizer import the header reader from
+    ("transformers.integrations.gguf", "read_gguf_metadata", ("gguf_path",)),
+    ("transformers.integrations.gguf.reader", "read_gguf_metadata", ("gguf_path",)),
+    ("transformers.quantizers.quantizer_gguf", "read_gguf_metadata", ("gguf_path",)),
+)
+
+
 def _check_files_before_transformers_reads_them(patches: PatchSet) -> None:
     """A damaged or unsupported file fails on its first header read (the config's), in one clear
     sentence, before a model is built (see `validate`)."""
@@ -421,6 +453,9 @@ def _check_files_before_transformers_reads_them(patches: PatchSet) -> None:
 
     for module in (reader, gguf_package, quantizer_gguf):  # config / tokenizer import it from the package
         patches.set_attr(module, "read_gguf_metadata", read_gguf_metadata)
+
+
+compat.needs(("transformers.integrations.gguf.reader", "LazyGgufTensor.__getitem__", ("self",)))
 
 
 def _release_mapped_pages_after_each_tensor(patches: PatchSet) -> None:

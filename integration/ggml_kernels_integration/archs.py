@@ -20,6 +20,17 @@ from __future__ import annotations
 
 import torch
 
+from . import compat
+
+# llama files kept packed: transformers' own table, renamings and row permutation
+compat.needs(
+    ("transformers.integrations.gguf.gguf_conversion_mapping", "GGUF_ARCHS", None),
+    ("transformers.integrations.gguf.gguf_conversion_mapping", "DENSE_DECODER_RENAMINGS", None),
+    ("transformers.integrations.gguf.gguf_conversion_mapping", "PermuteRows", None),
+    ("transformers.core_model_loading", "WeightConverter", None),
+    ("transformers.core_model_loading", "WeightRenaming", None),
+)
+
 
 def rope_rows_to_rotate_half(n_head: int, head_dim: int) -> torch.Tensor:
     """Index `p` with `original = file[p]` for a q/k weight of `n_head` heads of `head_dim` rows."""

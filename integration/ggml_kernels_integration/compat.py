@@ -3,8 +3,9 @@
 `enable()` rebinds internals of transformers 5.22 and 5.23 (there is no public hook for what it does),
 so it refuses versions outside the range it was tested with (`check_versions`; `allow_untested=True`
 lets people try), and checks that every internal it touches is still there with the parameters it
-calls (`check_internals`): an upgrade then fails in one place, naming what moved. Every internal
-listed is there in both tested transformers versions.
+calls (`check_internals`): an upgrade then fails in one place, naming what moved. Each module declares
+the internals it relies on beside the code that uses them (`needs`); every one is there in both
+tested transformers versions.
 """
 
 from __future__ import annotations
@@ -19,67 +20,19 @@ from packaging.version import Version
 # distribution -> the versions the integration is tested with (noxfile.py pins the lower ends)
 TESTED = {"transformers": ">=5.22.2,<5.24", "kernels": ">=0.17.2,<0.18"}
 
-# (module, attribute path, the leading parameter names we call it with, or None for a non-callable)
-INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = [
-    # kernel lookup: our Hub ids resolve to the CPU build on a CUDA torch. transformers' own lookup, not
-    # kernels' `get_kernel` as hub_kernels imports it: that import is skipped where transformers does not
-    # take the installed kernels (5.23 with kernels 0.17), see `kernels_gate`
-    ("transformers.integrations.hub_kernels", "get_kernel", ("kernel_name", "revision", "version")),
-    ("kernels", "get_kernel", ("repo_id",)),
-    # transformers' kernels gate, and what `kernels_gate` opens where it is closed: the layer kernels
-    # grafted with kernels' own API, the attention registered as transformers registers it
-    ("transformers.utils.import_utils", "is_kernels_available", ()),
-    ("transformers.integrations.gguf.kernels", "is_kernels_available", ()),
-    ("transformers.integrations.gguf.kernels", "kernelize_ggml_layers", ("model",)),
-    ("kernels", "kernelize", ("model",)),
-    ("kernels", "use_kernel_mapping", ("mapping",)),
-    ("kernels", "register_kernel_mapping", ("mapping",)),
-    ("transformers.integrations.hub_kernels", "load_and_register_attn_kernel",
-     ("attn_implementation", "attention_wrapper", "allow_all_kernels")),
-    ("transformers", "AttentionInterface.register.__func__", ("cls", "key", "value")),  # a classmethod
-    ("transformers", "AttentionMaskInterface.register.__func__", ("cls", "key", "value")),
-    ("transformers.masking_utils", "sdpa_mask", None),
-    # the packed GGUF path: kernel lookup, layer mapping, packed linears
-    ("transformers.integrations.gguf.kernels", "_gguf_kernel", None),
-    ("transformers.integrations.gguf.kernels", "MAX_GEMV_ROWS", None),
-    ("transformers.integrations.gguf.kernels", "get_gguf_kernel", ()),
-    ("transformers.integrations.gguf.kernels", "get_ggml_layer_mapping", ()),
-    ("transformers.integrations.gguf.kernels", "kernel_can_read", ("tensor",)),
-    # the kernel functions the packed modules' forwards call by name (`kept_kernels` binds them per model)
-    ("transformers.integrations.gguf.kernels", "mul_mat_vec", ("weight", "x", "ggml_type", "out_features")),
-    ("transformers.integrations.gguf.kernels", "mul_mat_id", ("blocks", "x", "ids", "ggml_type", "out_features")),
-    ("transformers.integrations.gguf.utils", "GgufLinear.forward", ("self", "x")),
-    ("transformers.integrations.gguf.utils", "GgufLinear._unpack_matmul", ("self", "flat")),
-    ("transformers.integrations.gguf.utils", "GgufLinear.__init__", ("self", "in_features", "out_features", "ggml_type")),
-    # llama files kept packed: transformers' own table, renamings and row permutation
-    ("transformers.integrations.gguf.gguf_conversion_mapping", "GGUF_ARCHS", None),
-    ("transformers.integrations.gguf.gguf_conversion_mapping", "DENSE_DECODER_RENAMINGS", None),
-    ("transformers.integrations.gguf.gguf_conversion_mapping", "PermuteRows", None),
-    ("transformers.core_model_loading", "WeightConverter", None),
-    ("transformers.core_model_loading", "WeightRenaming", None),
-    # reading files: the header check before transformers reads one, mapped pages dropped per tensor
-    ("transformers.integrations.gguf", "read_gguf_metadata", ("gguf_path",)),
-    ("transformers.integrations.gguf.reader", "read_gguf_metadata", ("gguf_path",)),
-    ("transformers.integrations.gguf.reader", "LazyGgufTensor.__getitem__", ("self",)),
-    ("transformers.quantizers.quantizer_gguf", "read_gguf_metadata", ("gguf_path",)),
-    ("transformers.quantizers.quantizer_gguf", "GgufHfQuantizer._process_model_after_weight_loading", ("self", "model")),
-    ("transformers.modeling_gguf_pytorch_utils", "load_gguf_checkpoint", ("gguf_checkpoint_path", "return_tensors")),
-    ("gguf", "GGUFReader._get_field_parts", ("self", "orig_offs", "raw_type")),
-    ("gguf", "GGUFReader._get", ("self", "offset", "dtype", "count")),
-    # the key/value cache grown in place
-    ("transformers.cache_utils", "DynamicLayer.update", ("self", "key_states", "value_states")),
-    ("transformers.cache_utils", "DynamicLayer.lazy_initialization", ("self", "key_states", "value_states")),
-    # compiled decode steps: generate()'s static cache and compile config, its compiled forward
-    ("transformers", "GenerationMixin.generate", ("self",)),
-    ("transformers", "PreTrainedModel.get_compiled_call", ("self", "compile_config")),
-    ("transformers", "CompileConfig", None),
-    ("transformers", "StaticCache", None),
-    ("transformers", "AttentionInterface._global_mapping", None),  # ggml-attn registered top-left causal
-    # layer kernels from our build folders; kernels' per-layer "No kernel mapping" warning, summarised
-    ("kernels", "LocalLayerRepository.__init__", ("self", "repo_path", "layer_name")),
-    ("kernels", "Mode.INFERENCE", None),
-    ("kernels.layer.layer", "kernelize_layer", ("module",)),
-]
+# One internal: (module, attribute path, the leading parameter names we call it with, or None for a
+# non-callable). Each module that patches or calls internals declares them beside its code with
+# `needs(...)`; importing the package fills this list.
+Internal = tuple[str, str, tuple[str, ...] | None]
+INTERNALS: list[Internal] = []
+
+
+def needs(*internals: Internal) -> None:
+    """Declare internals the calling module patches or calls (checked by `check_internals`)."""
+    for internal in internals:
+        if internal not in INTERNALS:
+            INTERNALS.append(internal)
+
 
 ALLOW_UNTESTED_HINT = "pass enable(allow_untested_versions=True) to try anyway"
 

@@ -22,6 +22,16 @@ from __future__ import annotations
 import types
 import weakref
 
+from . import compat
+
+# the kernel functions the packed modules' forwards call by name, bound per model here
+compat.needs(
+    ("transformers.integrations.gguf.kernels", "_gguf_kernel", None),
+    ("transformers.integrations.gguf.kernels", "mul_mat_vec", ("weight", "x", "ggml_type", "out_features")),
+    ("transformers.integrations.gguf.kernels", "mul_mat_id", ("blocks", "x", "ids", "ggml_type", "out_features")),
+)
+
+
 # the kernel functions of transformers.integrations.gguf.kernels that the packed modules' forwards
 # call by name (each reads the process-wide `_gguf_kernel`); the package has them with the same
 # parameters, and transformers' `GgufKernel` hands its calls straight to them

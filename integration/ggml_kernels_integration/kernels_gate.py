@@ -27,6 +27,24 @@ import sys
 
 from . import compat, locate
 
+# transformers' kernels gate and what is opened where it is closed: the layer kernels grafted with
+# kernels' own API (what transformers' GGUF path calls in kernels), the attention registered as
+# transformers registers it
+compat.needs(
+    ("transformers.utils.import_utils", "is_kernels_available", ()),
+    ("transformers.integrations.gguf.kernels", "is_kernels_available", ()),
+    ("transformers.integrations.gguf.kernels", "kernelize_ggml_layers", ("model",)),
+    ("kernels", "kernelize", ("model",)),
+    ("kernels", "use_kernel_mapping", ("mapping",)),
+    ("kernels", "register_kernel_mapping", ("mapping",)),
+    ("transformers.integrations.hub_kernels", "load_and_register_attn_kernel",
+     ("attn_implementation", "attention_wrapper", "allow_all_kernels")),
+    ("transformers", "AttentionInterface.register.__func__", ("cls", "key", "value")),  # a classmethod
+    ("transformers", "AttentionMaskInterface.register.__func__", ("cls", "key", "value")),
+    ("transformers.masking_utils", "sdpa_mask", None),
+)
+
+
 # transformers class -> the kernel layer name its `use_kernel_forward_from_hub` decorator gives it
 # (the layers of the architectures enable() keeps packed that we have a kernel for)
 LAYER_CLASSES = {

@@ -23,6 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from . import compat
+
+compat.needs(
+    ("transformers.cache_utils", "DynamicLayer.update", ("self", "key_states", "value_states")),
+    ("transformers.cache_utils", "DynamicLayer.lazy_initialization", ("self", "key_states", "value_states")),
+)
+
+
 MIN_SPARE_POSITIONS = 128
 SPARE_FRACTION = 4  # spare positions: a quarter of those needed, at least MIN_SPARE_POSITIONS
 _BUFFERS = "_ggml_kernels_kv_buffers"  # a layer's {"keys" | "values": _Buffer}

@@ -23,6 +23,15 @@ import threading
 
 import numpy as np
 
+from . import compat
+
+compat.needs(
+    ("transformers.modeling_gguf_pytorch_utils", "load_gguf_checkpoint", ("gguf_checkpoint_path", "return_tensors")),
+    ("gguf", "GGUFReader._get_field_parts", ("self", "orig_offs", "raw_type")),
+    ("gguf", "GGUFReader._get", ("self", "offset", "dtype", "count")),
+)
+
+
 _local = threading.local()
 
 

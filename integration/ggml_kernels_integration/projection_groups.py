@@ -32,6 +32,16 @@ import threading
 import torch
 from torch import nn
 
+from . import compat
+
+# the packed linears grouped and the MLPs' forwards taken over, up to transformers' row bound
+compat.needs(
+    ("transformers.integrations.gguf.kernels", "MAX_GEMV_ROWS", None),
+    ("transformers.integrations.gguf.utils", "GgufLinear.forward", ("self", "x")),
+    ("transformers.integrations.gguf.utils", "GgufLinear.__init__", ("self", "in_features", "out_features", "ggml_type")),
+)
+
+
 # layer class name -> its sibling projections, in the order the layer's forward calls them
 SIBLINGS: dict[str, tuple[str, ...]] = {
     "LlamaAttention": ("q_proj", "k_proj", "v_proj"),

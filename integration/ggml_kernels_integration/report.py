@@ -13,6 +13,12 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from . import compat
+
+# kernels' per-layer "No kernel mapping" warning, summarised
+compat.needs(("kernels.layer.layer", "kernelize_layer", ("module",)))
+
+
 LOGGER = logging.getLogger("ggml_kernels_integration")
 KERNELIZE_LOGGER = "kernels.layer.layer"
 
