@@ -39,6 +39,11 @@ compat.needs(
     ("transformers.integrations.gguf.kernels", "MAX_GEMV_ROWS", None),
     ("transformers.integrations.gguf.utils", "GgufLinear.forward", ("self", "x")),
     ("transformers.integrations.gguf.utils", "GgufLinear.__init__", ("self", "in_features", "out_features", "ggml_type")),
+    # the gated MLPs whose forward (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`) GatedMLP stands in
+    # for: transformers gives them no kernel layer name, so kernelize cannot put a layer there
+    ("transformers.models.llama.modeling_llama", "LlamaMLP.forward", ("self", "x")),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5MLP.forward", ("self", "x")),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeMLP.forward", ("self", "x")),
 )
 
 
