@@ -74,6 +74,29 @@ def test_rounds_alternate_and_time_k_calls_per_side():
     assert timing.ratio == pytest.approx(2.0)
 
 
+def test_between_runs_after_every_block_untimed():
+    clock = _Clock()
+    timing = vg.alternate(clock.op("ours", 0.001), clock.op("ggml", 0.002), rounds=3, calls=2, clock=clock,
+                          between=clock.op("between", 1.0))
+    assert clock.calls == ["ours", "ours", "between", "ggml", "ggml", "between",
+                           "ggml", "ggml", "between", "ours", "ours", "between",
+                           "ours", "ours", "between", "ggml", "ggml", "between"]
+    assert timing.ours_ms == pytest.approx([1.0] * 3) and timing.ggml_ms == pytest.approx([2.0] * 3)
+
+
+@pytest.mark.skipif(not ggml_ctypes.available(), reason="llama-cpp-python's ggml is not installed")
+def test_paused_ggml_threadpool_computes_the_same_when_called_again():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    graph = ggml_ctypes.MulMat(ggml_ctypes.quantize(w, 8), 8, cols=256, m=4, n_threads=2)  # Q8_0
+    first = graph(x)
+    vg.idle_ggml_threads()  # its workers asleep; the next compute wakes them
+    np.testing.assert_array_equal(graph(x), first)
+    vg.idle_ggml_threads()
+    graph.close()
+
+
 def test_ratio_is_the_median_of_per_round_ratios():
     timing = vg.Timing(ours_ms=[1.0, 2.0, 1.0, 10.0, 1.0], ggml_ms=[0.9, 2.0, 1.2, 1.0, 0.5])
     assert timing.ratio == pytest.approx(0.9)  # ratios 0.9, 1.0, 1.2, 0.1, 0.5

@@ -118,14 +118,28 @@ def _block_ms(fn: Callable[[], object], calls: int, clock: Callable[[], float]) 
 
 
 def alternate(ours: Callable[[], object], ggml: Callable[[], object], rounds: int, calls: int,
-              clock: Callable[[], float] = time.perf_counter) -> Timing:
-    """`rounds` rounds of `calls` calls of each side, ours first in even rounds, ggml's first in odd."""
+              clock: Callable[[], float] = time.perf_counter,
+              between: Callable[[], object] = lambda: None) -> Timing:
+    """`rounds` rounds of `calls` calls of each side, ours first in even rounds, ggml's first in odd;
+    `between()` after every block, untimed."""
     timing = Timing()
     for r in range(rounds):
         sides = [(ours, timing.ours_ms), (ggml, timing.ggml_ms)]
         for fn, times in sides if r % 2 == 0 else reversed(sides):
             times.append(_block_ms(fn, calls, clock))
+            between()
     return timing
+
+
+def idle_ggml_threads() -> None:
+    """ggml's side leaves no worker spinning into the next block (ggml_ctypes.pause_threadpools): with
+    several threads, its threadpool's polling workers would otherwise hold a core for up to ~100 ms
+    after each of its blocks, during ours."""
+    try:
+        from tools.testing import ggml_ctypes
+    except ImportError:
+        return
+    ggml_ctypes.pause_threadpools()
 
 
 def calls_per_block(ms_per_call: float, settings: Settings) -> int:
@@ -226,7 +240,8 @@ def measure(pair: Pair, kernel, workload: str, settings: Settings) -> Row:
     # k from each side's fastest warm-up call: one preempted call must not shrink every block to 1 call
     warm = [min(_block_ms(fn, 1, time.perf_counter) for _ in range(settings.warmup)) for fn in (run_ours, run_ggml)]
     calls = calls_per_block(max(warm), settings)
-    timing = alternate(run_ours, run_ggml, settings.rounds, calls)
+    idle_ggml_threads()
+    timing = alternate(run_ours, run_ggml, settings.rounds, calls, between=idle_ggml_threads)
     return Row("", pair.op, workload, timing.ours_median, timing.ggml_median, timing.ratio, settings.rounds, calls)
 
 

@@ -25,12 +25,14 @@ import ctypes
 import importlib.util
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
 
 __all__ = ["CausalConv1d", "FlashAttn", "GatedDeltaNet", "L2Norm", "MulMat", "MulMatId", "RMSNorm", "RMSNormGated",
-           "available", "info", "lib_dir", "quantize", "row_size", "type_name", "unavailable_reason"]
+           "available", "info", "lib_dir", "pause_threadpools", "quantize", "row_size", "type_name",
+           "unavailable_reason"]
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
@@ -149,6 +151,7 @@ class _Ggml:
             "ggml_graph_compute": (I, [P, ctypes.POINTER(_CPlan)]),
             "ggml_threadpool_new": (P, [ctypes.POINTER(_ThreadpoolParams)]),
             "ggml_threadpool_free": (None, [P]),
+            "ggml_threadpool_pause": (None, [P]),
             "ggml_cpu_has_llamafile": (I, []),
         }
         for name, (res, args) in sig.items():
@@ -296,6 +299,7 @@ class _OneOpGraph:
         self.threadpool = g.ggml_threadpool_new(ctypes.byref(params))
         if not self.threadpool:
             raise RuntimeError("ggml_ctypes: ggml_threadpool_new failed")
+        _GRAPHS.add(self)
         self.plan = g.ggml_graph_plan(self.graph, self.n_threads, self.threadpool)
         if self.plan.work_size:
             self._work = np.empty(self.plan.work_size + 64, dtype=np.uint8)
@@ -353,6 +357,22 @@ class _OneOpGraph:
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
+
+
+# every graph with a threadpool, for pause_threadpools
+_GRAPHS: weakref.WeakSet = weakref.WeakSet()
+
+
+def pause_threadpools() -> None:
+    """Put the idle workers of every graph's threadpool to sleep.
+
+    After a graph, a ggml threadpool's workers poll for the next one (llama.cpp's default polling
+    level, as in a real decode: up to ~100 ms of spinning on this module's pools), so a timing of
+    anything else right after a multi-threaded graph would share the cores with them. The next
+    compute() wakes them again (ggml_graph_compute resumes a paused pool)."""
+    for graph in list(_GRAPHS):
+        if graph.threadpool and graph.n_threads > 1:
+            graph._g.ggml_threadpool_pause(graph.threadpool)
 
 
 class MulMat(_OneOpGraph):
