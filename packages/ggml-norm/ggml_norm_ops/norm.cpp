@@ -58,12 +58,25 @@ void check_vector(const at::Tensor& w, int64_t n, const char* name) {
                     " values (x's last dim), got shape ", w.sizes());
 }
 
+// 1 + w[i] for n values, as float32: the same sums as torch's `w.float() + 1`.
+template <typename T>
+void plus_one_f32(const T* w, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(w[i]) + 1.0f;
+}
+
 // A per-feature parameter (weight, bias) as the float32 vector ggml's binary ops broadcast over the
 // rows, 1 + w if plus_one: the tensor itself when it already is one, else a tensor of torch's (on
-// w's device: an MPS build binds only torch storages, never host memory of ours).
+// w's device: an MPS build binds only torch storages, never host memory of ours). On the CPU 1 + w
+// is a loop into a new tensor: at::add's setup alone (~3 us) cost more than a decode step's norm.
 at::Tensor f32_vector(const at::Tensor& w, bool plus_one) {
-  const at::Tensor f = w.to(at::kFloat);
-  return (plus_one ? f + 1 : f).contiguous();
+  if (!plus_one) return w.to(at::kFloat).contiguous();
+  if (!w.is_cpu()) return (w.to(at::kFloat) + 1).contiguous();
+  const at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty({src.numel()}, src.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, src.scalar_type(), "ggml_norm_plus_one",
+      [&] { plus_one_f32(src.const_data_ptr<scalar_t>(), out.data_ptr<float>(), src.numel()); });
+  return out;
 }
 
 ggml_tensor* cast_to(Graph& g, ggml_tensor* t, ggml_type type) {
