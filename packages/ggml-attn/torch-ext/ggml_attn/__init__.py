@@ -71,7 +71,7 @@ def flash_attn(
     aligned bottom-right (the last query sees every key), combined with mask if both are given.
     softcap: logits -> softcap * tanh(logits / softcap). sinks: one extra logit per query head.
     """
-    out = ops.flash_attn(q, k, v, mask, bool(causal), float(scale or 0.0), float(softcap or 0.0), sinks)
+    out = ops.flash_attn.default(q, k, v, mask, bool(causal), float(scale or 0.0), float(softcap or 0.0), sinks)
     return out.transpose(1, 2)
 
 

@@ -82,7 +82,7 @@ def gated_delta_net(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a sequence (prefill, T > 1) or one token (decode, T = 1), with
     ggml's GATED_DELTA_NET. Returns `(output, final_state)`; see the module docstring."""
-    return ops.gated_delta_net(q, k, v, g, beta, state, bool(l2_normalize_qk), None if scale is None else float(scale))
+    return ops.gated_delta_net.default(q, k, v, g, beta, state, bool(l2_normalize_qk), None if scale is None else float(scale))
 
 
 def gated_delta_net_(
@@ -98,7 +98,7 @@ def gated_delta_net_(
 ) -> torch.Tensor:
     """`gated_delta_net` updating `state` in place (ggml's layout: `state.transpose(-1, -2)`
     contiguous, as the states `gated_delta_net` returns are). Returns the output."""
-    return ops.gated_delta_net_(q, k, v, g, beta, state, bool(l2_normalize_qk), None if scale is None else float(scale))
+    return ops.gated_delta_net_.default(q, k, v, g, beta, state, bool(l2_normalize_qk), None if scale is None else float(scale))
 
 
 def causal_conv1d(
@@ -112,7 +112,7 @@ def causal_conv1d(
     """Causal depthwise conv with a rolling state: ggml SSM_CONV's sums (+ SiLU), vectorised. Returns
     `(y, new_state)`; y is a `(B, C, T)` view of a `(B, T, C)` buffer (what the layer transposes
     back)."""
-    return ops.causal_conv1d(x, weight, state, bias, activation)
+    return ops.causal_conv1d.default(x, weight, state, bias, activation)
 
 
 def causal_conv1d_(
@@ -124,22 +124,22 @@ def causal_conv1d_(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`causal_conv1d` updating `state` in place (its new rolling state); returns y."""
-    return ops.causal_conv1d_(x, weight, state, bias, activation)
+    return ops.causal_conv1d_.default(x, weight, state, bias, activation)
 
 
 def l2_norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """`x * rsqrt(sum(x^2, -1) + eps)` in x's dtype (computed in float32)."""
-    return ops.l2_norm(x, float(eps))
+    return ops.l2_norm.default(x, float(eps))
 
 
 def gates(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(g, beta)` float32 for a, b `(..., H)` and A_log, dt_bias `(H,)`."""
-    return ops.gates(A_log, a, dt_bias, b)
+    return ops.gates.default(A_log, a, dt_bias, b)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`weight * x * rsqrt(mean(x^2, -1) + eps) * silu(gate)` in x's dtype (computed in float32)."""
-    return ops.gated_rms_norm(x, gate, weight, float(eps))
+    return ops.gated_rms_norm.default(x, gate, weight, float(eps))
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----

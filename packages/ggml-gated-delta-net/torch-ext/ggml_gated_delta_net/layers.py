@@ -126,14 +126,14 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, atten
     weight, bias, activation = module.conv1d.weight, module.conv1d.bias, module.activation
     if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(idx):
         # decode: the rolling conv state is updated in place, as transformers' causal_conv1d_update does
-        mixed_qkv = ops.causal_conv1d_(mixed_qkv, weight, conv_state, bias, activation)
+        mixed_qkv = ops.causal_conv1d_.default(mixed_qkv, weight, conv_state, bias, activation)
     elif cache_params is not None and _first_prefill(cache_params, idx, module.conv_kernel_size, weight):
-        mixed_qkv, first_state = ops.causal_conv1d(mixed_qkv, weight, None, bias, activation)
+        mixed_qkv, first_state = ops.causal_conv1d.default(mixed_qkv, weight, None, bias, activation)
         _store_first_conv_state(cache_params, idx, first_state)
     else:
         if cache_params is not None:  # prefill: the cache stores the last columns, returns [cached | new]
             mixed_qkv = cache_params.update_conv_state(mixed_qkv, idx, conv_kernel_size=module.conv_kernel_size)
-        mixed_qkv, _ = ops.causal_conv1d(mixed_qkv, weight, None, bias, activation)
+        mixed_qkv, _ = ops.causal_conv1d.default(mixed_qkv, weight, None, bias, activation)
         if cache_params is not None:
             mixed_qkv = mixed_qkv[:, :, -seq_len:]
 
@@ -143,7 +143,7 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, atten
     key = key.reshape(batch_size, seq_len, -1, module.head_k_dim)
     value = value.reshape(batch_size, seq_len, -1, module.head_v_dim)
 
-    g, beta = ops.gates(module.A_log, a, module.dt_bias, b)
+    g, beta = ops.gates.default(module.A_log, a, module.dt_bias, b)
     if (
         recurrent_state is not None
         and recurrent_state.transpose(-1, -2).is_contiguous()
@@ -151,14 +151,14 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, cache_params, atten
     ):
         # the cache holds a state in ggml's layout (its zeros_like of one this op returned): updated
         # in place, which is all transformers' update_recurrent_state (a copy_) would do
-        core_attn_out = ops.gated_delta_net_(query, key, value, g, beta, recurrent_state, True, None)
+        core_attn_out = ops.gated_delta_net_.default(query, key, value, g, beta, recurrent_state, True, None)
     else:
-        core_attn_out, last_recurrent_state = ops.gated_delta_net(query, key, value, g, beta, recurrent_state, True, None)
+        core_attn_out, last_recurrent_state = ops.gated_delta_net.default(query, key, value, g, beta, recurrent_state, True, None)
         if cache_params is not None:
             _store_recurrent_state(cache_params, idx, last_recurrent_state)
 
     norm = module.norm
-    core_attn_out = ops.gated_rms_norm(
+    core_attn_out = ops.gated_rms_norm.default(
         core_attn_out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim), norm.weight, float(norm.variance_epsilon)
     )
     return module.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))

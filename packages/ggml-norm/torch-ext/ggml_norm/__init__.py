@@ -60,7 +60,7 @@ def rms_norm(
     whose dtype is `torch.promote_types(x.dtype, weight.dtype)` (so float32 for a bf16 x and a
     float32 weight); it needs a weight and takes no bias.
     """
-    return ops.rms_norm(x, weight, bias, float(eps), bool(zero_centered), bool(cast_before_weight))
+    return ops.rms_norm.default(x, weight, bias, float(eps), bool(zero_centered), bool(cast_before_weight))
 
 
 def rms_norm_gated(
@@ -79,7 +79,7 @@ def rms_norm_gated(
     dtype. `cast_before_weight=False` keeps everything in float32 until the end, as llama.cpp does.
     The two agree exactly for float32 x and weight.
     """
-    return ops.rms_norm_gated(x, z, weight, float(eps), bool(cast_before_weight))
+    return ops.rms_norm_gated.default(x, z, weight, float(eps), bool(cast_before_weight))
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6, mode: str = "clamp") -> torch.Tensor:
@@ -96,7 +96,7 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6, mode: str = "clamp") -> torch.Te
     """
     if mode not in L2_NORM_MODES:
         raise ValueError(_MODE_ERROR.format(mode=mode))
-    return ops.l2_norm(x, float(eps), mode)
+    return ops.l2_norm.default(x, float(eps), mode)
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----

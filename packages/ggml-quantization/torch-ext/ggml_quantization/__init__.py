@@ -82,7 +82,7 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 def mul_mat_vec(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
     """`x @ W.T` for a packed weight W `(out_features, row_bytes)` and x `(..., K)` float32/bf16/f16;
     returns `(..., out_features)` float32. Made for at most MAX_GEMV_ROWS rows (decode), correct for any."""
-    return ops.mul_mat_vec(blocks, x, type_id(ggml_type), int(out_features))
+    return ops.mul_mat_vec.default(blocks, x, type_id(ggml_type), int(out_features))
 
 
 def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int, *, exact: bool = False) -> torch.Tensor:
@@ -102,7 +102,7 @@ def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int,
     t = type_id(ggml_type)
     if not exact and dense_prefill.applies(blocks, x, t):
         return dense_prefill.matmul(blocks, x, t, int(out_features))
-    return ops.mul_mat(blocks, x, t, int(out_features))
+    return ops.mul_mat.default(blocks, x, t, int(out_features))
 
 
 def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_features) -> list[torch.Tensor]:
@@ -113,36 +113,36 @@ def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_f
     For one activation row (a decode step) the row is quantized once per dot-product type and all the
     weights' rows are split over the threads together, in one call instead of one per weight."""
     types = [type_id(t) for t in ggml_types]
-    return ops.mul_mat_group(list(blocks), x, types, [int(n) for n in out_features])
+    return ops.mul_mat_group.default(list(blocks), x, types, [int(n) for n in out_features])
 
 
 def mul_mat_id(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
     """Mixture-of-experts product: blocks `(E, N, row_bytes)`, x `(T, K)`, ids `(T, n_ids)` int32/int64
     -> `(T, n_ids, N)` float32 with `out[t, j] = W[ids[t, j]] @ x[t]`."""
-    return ops.mul_mat_id(blocks, x, ids, type_id(ggml_type), int(out_features))
+    return ops.mul_mat_id.default(blocks, x, ids, type_id(ggml_type), int(out_features))
 
 
 def dequantize(blocks: torch.Tensor, ggml_type, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed `(rows, row_bytes)` -> `(rows, cols)` in dtype (float32, float16 or bfloat16)."""
-    return ops.dequantize(blocks, type_id(ggml_type), int(rows), int(cols), dtype)
+    return ops.dequantize.default(blocks, type_id(ggml_type), int(rows), int(cols), dtype)
 
 
 def get_rows(blocks: torch.Tensor, indices: torch.Tensor, ggml_type, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `indices` (1-D int32/int64) of a packed matrix, dequantized: `(n, cols)` in dtype."""
-    return ops.get_rows(blocks, indices, type_id(ggml_type), int(cols), dtype)
+    return ops.get_rows.default(blocks, indices, type_id(ggml_type), int(cols), dtype)
 
 
 def quantize(x: torch.Tensor, ggml_type, imatrix: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize float rows `(..., cols)` to packed uint8 `(..., row_bytes)` with ggml's quantizers.
     `imatrix` (float32, one importance per column) weighs the rounding error; IMATRIX_TYPES need it."""
-    out = ops.quantize(_flatten(x), type_id(ggml_type), imatrix)
+    out = ops.quantize.default(_flatten(x), type_id(ggml_type), imatrix)
     return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() != 2 else out
 
 
 def repacked_types() -> frozenset[int]:
     """GGUF type ids this CPU's ggml holds in a repacked layout (x86 with AVX2: Q4_0, Q4_K, IQ4_NL,
     MXFP4; with AVX-512 also Q2_K; none on older CPUs)."""
-    return frozenset(ops.repacked_types())
+    return frozenset(ops.repacked_types.default())
 
 
 def repack(blocks: torch.Tensor, ggml_type) -> torch.Tensor:
@@ -152,12 +152,12 @@ def repack(blocks: torch.Tensor, ggml_type) -> torch.Tensor:
     ggml's tiled gemm: 1.2-1.6x the plain kernels on Q4_K), dequantize and get_rows (exact, through
     the inverse of ggml's repack). The bytes suit this CPU's ggml only; `repacked_types()` says which
     types it repacks (ValueError for the others)."""
-    return ops.repack(blocks, type_id(ggml_type))
+    return ops.repack.default(blocks, type_id(ggml_type))
 
 
 def unrepack(blocks: torch.Tensor, ggml_type) -> torch.Tensor:
     """The inverse of `repack`: a repacked `ggml_type` weight back in the plain GGUF layout (exact)."""
-    return ops.unrepack(blocks, type_id(ggml_type))
+    return ops.unrepack.default(blocks, type_id(ggml_type))
 
 
 # ---- fake (meta) implementations: shapes only, so torch.compile traces without graph breaks ----

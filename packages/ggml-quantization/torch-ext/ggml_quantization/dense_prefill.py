@@ -101,7 +101,7 @@ def _rows(x: torch.Tensor) -> int:
 
 @functools.cache
 def _repacked_here() -> frozenset[int]:
-    return frozenset(ops.repacked_types())
+    return frozenset(ops.repacked_types.default())
 
 
 def applies(blocks: torch.Tensor, x: torch.Tensor, type_id: int) -> bool:
@@ -139,6 +139,6 @@ def matmul(blocks: torch.Tensor, x: torch.Tensor, type_id: int, out_features: in
     rows_per_chunk = max(256, CHUNK_BYTES // (2 * k)) // _checks.REPACK_ROWS * _checks.REPACK_ROWS
     for start in range(0, out_features, rows_per_chunk):
         stop = min(start + rows_per_chunk, out_features)
-        w = ops.dequantize(blocks[start:stop], type_id, stop - start, k, torch.bfloat16)
+        w = ops.dequantize.default(blocks[start:stop], type_id, stop - start, k, torch.bfloat16)
         out[:, start:stop] = F.linear(xb, w)
     return out.view(*x.shape[:-1], out_features)

@@ -79,7 +79,7 @@ def top_k(
     `torch.topk(torch.softmax(logits, -1, dtype=torch.float), k)` gives), in `dtype` (default: the
     logits' dtype). softmax=False: exactly `torch.topk(logits, k)` (values in `dtype` if given).
     """
-    out = ops.top_k(_rows(logits), _k(k), bool(softmax), False, dtype, index_dtype)
+    out = ops.top_k.default(_rows(logits), _k(k), bool(softmax), False, dtype, index_dtype)
     return _unflatten(logits, out)
 
 
@@ -94,7 +94,7 @@ def softmax_top_k(
     """MoE routing in one op: softmax over the experts, top-k, and (norm_topk_prob) the k weights
     divided by their sum, as transformers' SoftmaxTopKRouter / Qwen MoE routers compute them from
     their router logits. Weights in `dtype` (default: the logits' dtype), indices int64 (or int32)."""
-    out = ops.top_k(_rows(logits), _k(k), True, bool(norm_topk_prob), dtype, index_dtype)
+    out = ops.top_k.default(_rows(logits), _k(k), True, bool(norm_topk_prob), dtype, index_dtype)
     return _unflatten(logits, out)
 
 
@@ -104,7 +104,7 @@ def top_k_ggml(
     """The same routing as ggml graphs (ggml-cpu's soft_max_ext -> top_k -> get_rows [-> sum_rows,
     div], llama.cpp's MoE routing), for comparison: slower than `softmax_top_k` (see README), ties
     broken ggml's way, +inf refused. Weights in the logits' dtype, indices int64."""
-    out = ops.top_k_ggml(_rows(logits), _k(k), bool(softmax), bool(norm_topk_prob))
+    out = ops.top_k_ggml.default(_rows(logits), _k(k), bool(softmax), bool(norm_topk_prob))
     return _unflatten(logits, out)
 
 

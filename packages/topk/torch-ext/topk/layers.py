@@ -46,7 +46,7 @@ class SoftmaxTopKRouter(nn.Module):
             )
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states, self.weight)  # (tokens, num_experts)
-        weights, indices = ops.top_k(
+        weights, indices = ops.top_k.default(
             router_logits, self.top_k, True, bool(getattr(self, "norm_topk_prob", True)), None, None
         )
         return router_logits, weights, indices
