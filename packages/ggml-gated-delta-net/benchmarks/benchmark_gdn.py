@@ -49,7 +49,8 @@ PROMPT = 32  # tokens already in the cache of a layer decode
 
 
 class GatedDeltaNet(Benchmark):
-    """gated_delta_net with q/k L2-normalised in the op, from a non-zero state."""
+    """gated_delta_net with q/k L2-normalised in the op, from a non-zero state in ggml's layout (a
+    transposed view), as a model's decode step passes back the state the op returned."""
 
     seed = 0
 
@@ -60,7 +61,8 @@ class GatedDeltaNet(Benchmark):
         self.v = torch.randn(1, tokens, hv, D, generator=gen)
         self.g = -torch.rand(1, tokens, hv, generator=gen)
         self.beta = torch.rand(1, tokens, hv, generator=gen)
-        self.state = torch.randn(1, hv, D, D, generator=gen) * 0.1
+        state = torch.randn(1, hv, D, D, generator=gen) * 0.1
+        self.state = state.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, ggml's strides
         self.out = torch.empty(1, tokens, hv, D)
 
     def _run(self) -> None:
