@@ -25,7 +25,8 @@ from tools.bench import kernels_table
 # topk's) need llama.cpp's libggml (llama-cpp-python, which nox installs)
 IMPLEMENTATIONS = {
     "ggml-attn": {"FlashAttn": {"ours", "ggml", "sdpa", "eager", "reference"}},
-    "ggml-gated-delta-net": {"GatedDeltaNet": {"ours", "ggml", "transformers"}, "CausalConv1d": {"ours", "ggml"},
+    "ggml-gated-delta-net": {"GatedDeltaNet": {"ours", "ggml", "transformers"}, "GatedDeltaNetInPlace": {"ours", "ggml"},
+                             "CausalConv1d": {"ours", "ggml"},
                              "Layer": {"ours", "transformers"}},
     "ggml-norm": {"RMSNormZeroCentered": {"ours", "ggml", "layer", "transformers", "reference"},
                   "RMSNormGated": {"ours", "ggml"}, "L2Norm": {"ours", "ggml"}},

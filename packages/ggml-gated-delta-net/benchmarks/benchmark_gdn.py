@@ -7,7 +7,9 @@ decode (T = 1, on a state) and a 512-token prefill.
 
 Workloads are named <op>_<decode|prefill512>_hv<Hv>. Each class times one implementation:
   GatedDeltaNet, CausalConv1d     this package's ops
-  GatedDeltaNet_ggml, CausalConv1d_ggml
+  GatedDeltaNetInPlace            decode with gated_delta_net_, which updates the state where it is, as
+                                  a model's decode step does (checked on the first call's state)
+  GatedDeltaNet_ggml, GatedDeltaNetInPlace_ggml, CausalConv1d_ggml
                                   ggml's own graphs as llama.cpp's Qwen3.5 graph builds them, through
                                   llama-cpp-python's libggml (the repository's
                                   tools/testing/ggml_ctypes.py; present when that is importable, as in
@@ -48,9 +50,9 @@ TOKENS = {"decode": 1, "prefill512": 512}
 PROMPT = 32  # tokens already in the cache of a layer decode
 
 
-class GatedDeltaNet(Benchmark):
-    """gated_delta_net with q/k L2-normalised in the op, from a non-zero state in ggml's layout (a
-    transposed view), as a model's decode step passes back the state the op returned."""
+class _GdnInputs:
+    """q, k, v, g, beta and a non-zero state in ggml's layout (a transposed view), as a model's decode
+    step passes back the state the op returned; the reference from that state."""
 
     seed = 0
 
@@ -64,13 +66,27 @@ class GatedDeltaNet(Benchmark):
         state = torch.randn(1, hv, D, D, generator=gen) * 0.1
         self.state = state.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, ggml's strides
         self.out = torch.empty(1, tokens, hv, D)
+        self.initial_state = self.state.clone()  # what the first call reads (the in-place op changes state)
+
+    def _verify(self) -> torch.Tensor:
+        out, _ = self.kernel.reference.gated_delta_net(self.q, self.k, self.v, self.g, self.beta, self.initial_state,
+                                                       l2_normalize_qk=True)
+        return out
+
+
+class GatedDeltaNet(_GdnInputs, Benchmark):
+    """gated_delta_net with q/k L2-normalised in the op: output and a new state."""
 
     def _run(self) -> None:
         self.out, _ = self.kernel.gated_delta_net(self.q, self.k, self.v, self.g, self.beta, self.state, l2_normalize_qk=True)
 
-    def _verify(self) -> torch.Tensor:
-        out, _ = self.kernel.reference.gated_delta_net(self.q, self.k, self.v, self.g, self.beta, self.state, l2_normalize_qk=True)
-        return out
+
+class GatedDeltaNetInPlace(_GdnInputs, Benchmark):
+    """gated_delta_net_ (decode): the state updated where it is, each call from the last one's state
+    (the same work every call; the runners check the first call)."""
+
+    def _run(self) -> None:
+        self.out = self.kernel.gated_delta_net_(self.q, self.k, self.v, self.g, self.beta, self.state, l2_normalize_qk=True)
 
 
 class CausalConv1d(Benchmark):
@@ -113,7 +129,7 @@ class _Ggml:
 
 if ggml_ctypes is not None and ggml_ctypes.available():
 
-    class GatedDeltaNet_ggml(_Ggml, GatedDeltaNet):
+    class _GdnGraph(_Ggml):
         def _setup(self, tokens: int, hv: int) -> None:
             super()._setup(tokens, hv)
             self.graph = ggml_ctypes.GatedDeltaNet(HK, hv, D, tokens, n_threads=torch.get_num_threads())
@@ -121,6 +137,12 @@ if ggml_ctypes is not None and ggml_ctypes.available():
 
         def _result(self, y: torch.Tensor) -> torch.Tensor:
             return y.unsqueeze(0)  # (1, T, Hv, D)
+
+    class GatedDeltaNet_ggml(_GdnGraph, GatedDeltaNet):
+        pass
+
+    class GatedDeltaNetInPlace_ggml(_GdnGraph, GatedDeltaNetInPlace):
+        """The same graph: llama.cpp's decode writes the new state into memory the graph owns."""
 
     class CausalConv1d_ggml(_Ggml, CausalConv1d):
         def _setup(self, tokens: int, hv: int) -> None:
@@ -212,5 +234,7 @@ def _add(cls, op: str, phase: str, hv: int, checked: bool = True) -> None:
 for _hv in VALUE_HEADS:
     for _phase in TOKENS:
         _add(GatedDeltaNet, "gdn", _phase, _hv)
+        if _phase == "decode":
+            _add(GatedDeltaNetInPlace, "gdn", _phase, _hv)
         _add(CausalConv1d, "conv", _phase, _hv)
         _add(Layer_transformers, "layer", _phase, _hv, checked=False)
