@@ -142,7 +142,7 @@ if ggml_ctypes is not None and ggml_ctypes.available():
         pass
 
     class GatedDeltaNetInPlace_ggml(_GdnGraph, GatedDeltaNetInPlace):
-        """The same graph: llama.cpp's decode writes the new state into memory the graph owns."""
+        """The same graph; its result, the new state included, stays in the graph's own memory."""
 
     class CausalConv1d_ggml(_Ggml, CausalConv1d):
         def _setup(self, tokens: int, hv: int) -> None:
