@@ -11,9 +11,11 @@ torch code between our ops.
 With `enable(compile_decode=True)`, `generate()` of a model loaded packed, on the CPU, where the
 caller chose no cache, cache implementation, compile config or assistant of their own, runs with
 `cache_implementation="static"` and `COMPILE_CONFIG` (transformers still runs the prefill eagerly).
-The graph is compiled once per model and shape (batch size, cache length: transformers keeps a
-model's static cache at the longest length asked so far, so a longer generation compiles again); the
-seconds of each compile are kept per model, logged, and shown by `summary(model)`. A compile that
+The graph is compiled once per model and shape (batch size, cache length). transformers sizes a
+static cache for the longest generation asked so far, so each longer call (a chat's next turn) would
+compile again; the cache length is rounded up to a power of two of at least `MIN_CACHE_POSITIONS`
+(`cache_positions`), so a model compiles once per doubling. The seconds of each compile are kept per
+model, logged, and shown by `summary(model)`. A compile that
 fails (dynamo or inductor raises before the graph runs, so nothing was written into the cache)
 falls back to the eager forward for that step and the model's later generations, with one warning.
 Inside a compiled step `projection_groups`' shared calls step aside (`torch.compiler.is_compiling()`:
@@ -41,6 +43,7 @@ Lighter backends are exact but gain nothing: `backend="eager"` (dynamo only) 1.0
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 import warnings
@@ -55,6 +58,8 @@ compat.needs(
     ("transformers", "PreTrainedModel.get_compiled_call", ("self", "compile_config")),
     ("transformers", "CompileConfig", None),
     ("transformers", "StaticCache", None),
+    ("transformers", "GenerationMixin._prepare_static_cache",
+     ("self", "cache_implementation", "batch_size", "max_cache_len")),
 )
 
 
@@ -64,7 +69,10 @@ DEFAULT = False  # off: faster per token, but see the module docstring for the c
 # static cache), inductor's default mode ("reduce-overhead" means CUDA graphs, which a CPU has not)
 COMPILE_CONFIG = {"fullgraph": False, "dynamic": False, "backend": "inductor", "mode": "default"}
 RECORD_ATTR = "_ggml_kernels_compiled_decode"
+# the shortest static cache a compiled generate() gets (positions; longer ones are powers of two)
+MIN_CACHE_POSITIONS = 256
 _state = {"on": DEFAULT}
+_sizing = contextvars.ContextVar("ggml_kernels_compiled_generate", default=False)  # in a generate() that `applies`
 # what the caller may have chosen: any of these in generate()'s arguments or the model's generation
 # config leaves the cache and compilation to them
 _CALLER_CHOICES = ("past_key_values", "cache_implementation", "compile_config", "disable_compile", "assistant_model",
@@ -136,6 +144,12 @@ def applies(model, kwargs: dict) -> bool:
     return _is_packed_cpu_model(model)
 
 
+def cache_positions(needed: int) -> int:
+    """The static cache length a compiled generate() needing `needed` positions gets: the next power
+    of two, at least `MIN_CACHE_POSITIONS`. ggml-attn skips the masked positions of a longer cache."""
+    return max(MIN_CACHE_POSITIONS, 1 << max(0, int(needed) - 1).bit_length())
+
+
 def compile_config():
     """transformers' `CompileConfig` of `COMPILE_CONFIG`, allowed on the CPU."""
     from transformers import CompileConfig
@@ -197,18 +211,31 @@ def compile_forward(model):
 
 
 def install(patches) -> None:
-    """Through `patches` (a `PatchSet`): `generate()` takes a static cache and `compile_config()` where
-    `applies`, and transformers' compiled call of a packed CPU model is `guarded`."""
+    """Through `patches` (a `PatchSet`): `generate()` takes a static cache of `cache_positions` and
+    `compile_config()` where `applies`, and transformers' compiled call of a packed CPU model is `guarded`."""
     from transformers import GenerationMixin, PreTrainedModel
 
     def make_generate(original):
         def generate(self, *args, **kwargs):
-            if applies(self, kwargs):
-                kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
-            return original(self, *args, **kwargs)
+            if not applies(self, kwargs):
+                return original(self, *args, **kwargs)
+            kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
+            token = _sizing.set(True)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _sizing.reset(token)
 
         generate.__doc__ = original.__doc__
         return generate
+
+    def make_prepare_static_cache(original):
+        def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs):
+            if _sizing.get():
+                max_cache_len = cache_positions(max_cache_len)
+            return original(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs)
+
+        return _prepare_static_cache
 
     def make_compiled_call(original):
         def get_compiled_call(self, config):
@@ -223,4 +250,5 @@ def install(patches) -> None:
         return get_compiled_call
 
     patches.wrap(GenerationMixin, "generate", make_generate)
+    patches.wrap(GenerationMixin, "_prepare_static_cache", make_prepare_static_cache)
     patches.wrap(PreTrainedModel, "get_compiled_call", make_compiled_call)

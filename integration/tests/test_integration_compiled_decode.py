@@ -14,6 +14,8 @@ Qwen3.5 dense and MoE files (Q4_K_M mix, tools/models/make_gguf.py) and a tiny l
   step's logits within the same 0.5 %: a static cache changes no kernel's input, once a prefill
   into it attends top-left causal as transformers means it (ggml-attn's `flash_attn_forward`; when
   it read the missing mask bottom-right: 6-16 % off on the tiny llama). Measured: as on the static cache.
+- one compile per model and shape: a second generate(), and a longer one whose length rounds up to
+  the same power-of-two cache (`compiled_decode.cache_positions`), compile nothing.
 - ggml-attn's `flash_attn_forward` alone, without a mask, against SDPA's top-left `is_causal`.
 """
 
@@ -44,8 +46,11 @@ KW = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in
 
 def gen(**kwargs):
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), **KW, **kwargs)
+        out = model.generate(x, attention_mask=torch.ones_like(x), **{**KW, **kwargs})
     return out.sequences[0].tolist(), torch.stack(out.logits, 1)[0], type(out.past_key_values).__name__
+
+def cache_len():
+    return model._previous_max_cache_length  # transformers' static cache length of the last generate()
 
 def rel(a, b):
     return ((a - b).abs().amax(-1) / b.abs().amax(-1)).tolist()  # per step
@@ -56,6 +61,9 @@ tokens, logits, cache = gen()
 start = time.perf_counter()
 again = gen()
 again_s = time.perf_counter() - start
+lengths = [cache_len()]
+longer = gen(max_new_tokens=40)  # 50 positions: the same power-of-two cache, no new compile
+lengths.append(cache_len())
 rec = compiled_decode.record(model)
 gk.enable(compile_decode=False)
 static = gen(cache_implementation="static")
@@ -63,7 +71,8 @@ dynamic = gen()
 print("RESULT" + json.dumps({
     "cache": cache, "static_cache": static[2], "dynamic_cache": dynamic[2],
     "compiles": len(rec.compiles), "compile_s": list(rec.compiles.values()), "failure": rec.failure,
-    "again_same": again[0] == tokens, "again_s": again_s,
+    "again_same": again[0] == tokens, "again_s": again_s, "cache_lengths": lengths,
+    "longer_prefix_same": longer[0][:len(tokens)] == tokens,
     "same_tokens_static": tokens == static[0], "rel_static": rel(logits, static[1]),
     "first_token_dynamic": tokens[10] == dynamic[0][10], "same_tokens_dynamic": tokens == dynamic[0],
     "rel_dynamic": rel(logits, dynamic[1]),
@@ -181,6 +190,8 @@ def test_compiled_steps_agree_with_the_eager_default(compiled):
 def test_compiled_once_per_shape_and_reported(compiled):
     _, res = compiled
     assert res["compiles"] == 1 and res["again_same"], res  # the second generate() reuses the graph
+    # so does a longer one: 22 and 50 positions both get a cache of compiled_decode.MIN_CACHE_POSITIONS
+    assert res["cache_lengths"] == [256, 256] and res["longer_prefix_same"], res
     assert res["again_s"] < min(res["compile_s"]), res
     assert "compiled decode steps (batch 1 x " in res["summary"], res["summary"]
 
@@ -193,6 +204,14 @@ def test_a_failed_compile_falls_back_to_eager_with_one_warning(tmp_path_factory)
     assert res["first_same"], res  # the failed generate() finished eagerly on its static cache
     assert res["second_cache"] == "DynamicCache" and res["second_same"], res  # later ones: eager default
     assert "compiled decode failed, eager instead" in res["summary"], res["summary"]
+
+
+@pytest.mark.parametrize(("needed", "positions"), [(0, 256), (1, 256), (256, 256), (257, 512), (4096, 4096),
+                                                   (4097, 8192)])
+def test_compiled_generate_caches_are_powers_of_two(needed, positions):
+    from ggml_kernels_integration import compiled_decode
+
+    assert compiled_decode.cache_positions(needed) == positions
 
 
 @pytest.mark.parametrize("value", ["auto", 1, None, "True"])
