@@ -3,6 +3,9 @@
 Backends:
     kernels            transformers + ggml-kernels (`enable()`): weights stay packed, our kernels compute
     kernels-repacked   the same with `enable(repack_weights=True)` (ggml-cpu's repacked layout)
+    kernels-compiled   the same with `enable(compile_decode=True)`: prompts go into a static cache and
+                       decode steps run compiled, as its generate() does; the compile (in the warm-ups,
+                       once per shape) is reported as compile_s, not timed
     transformers-f32   transformers alone: every weight dequantized to dense float32 at load
     transformers-bf16  the same in bfloat16
     llama.cpp          llama-cpp-python (the llama.cpp build the tests use as oracle) on the same file
@@ -31,8 +34,10 @@ What is measured, with the same token ids for every backend (`prompt_ids`):
                      text token); median of `repeats` after a warm-up
     kernel_calls     transformers backends: our ops the profiler saw in one extra, untimed pass
                      (`PROFILED_PROMPT_TOKENS`-token prefill + `PROFILED_DECODE_STEPS` decode steps)
-    dense_prefill    kernels backend: whether block-32 prefill matmuls took `dense_prefill` (a CPU
+    dense_prefill    kernels backends: whether block-32 prefill matmuls took `dense_prefill` (a CPU
                      with bfloat16 dot products, not switched off)
+    compile_s        kernels-compiled: seconds of each compile of the decode step, by "batch x cache
+                     positions"
 """
 
 from __future__ import annotations
@@ -45,9 +50,9 @@ import statistics
 import time
 from pathlib import Path
 
-BACKENDS = ("kernels", "kernels-repacked", "transformers-f32", "transformers-bf16", "llama.cpp")
-TRANSFORMERS_DTYPES = {"kernels": "float32", "kernels-repacked": "float32", "transformers-f32": "float32",
-                       "transformers-bf16": "bfloat16"}
+BACKENDS = ("kernels", "kernels-repacked", "kernels-compiled", "transformers-f32", "transformers-bf16", "llama.cpp")
+TRANSFORMERS_DTYPES = {"kernels": "float32", "kernels-repacked": "float32", "kernels-compiled": "float32",
+                       "transformers-f32": "float32", "transformers-bf16": "bfloat16"}
 DEFAULT_PROMPT_TOKENS = (64, 512)
 DEFAULT_DECODE_TOKENS = 128
 DEFAULT_REPEATS = 3
@@ -72,14 +77,15 @@ def silence_kernel_mapping_warnings() -> None:
     logging.getLogger("kernels").setLevel(logging.ERROR)
 
 
-def setup_transformers(kernels_on: bool, repack_weights: bool = False) -> None:
+def setup_transformers(kernels_on: bool, repack_weights: bool = False, compile_decode: bool = False) -> None:
     """Make this process load GGUF files with our kernels (`enable()`: packed weights, repacked with
-    `repack_weights`) or with transformers alone (every weight dequantized to a dense tensor at load).
-    Process-wide and final: call once, before the first `from_pretrained`."""
+    `repack_weights`, decode steps compiled with `compile_decode`) or with transformers alone (every
+    weight dequantized to a dense tensor at load). Process-wide and final: call once, before the first
+    `from_pretrained`."""
     if kernels_on:
         import ggml_kernels_integration as gk
 
-        gk.enable(report_loads=False, repack_weights=repack_weights)
+        gk.enable(report_loads=False, repack_weights=repack_weights, compile_decode=compile_decode)
     else:
         silence_kernel_mapping_warnings()
         os.environ.pop("LOCAL_KERNELS", None)
@@ -185,6 +191,39 @@ class TransformersRunner:
         x = torch.tensor([ids])
         out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False)
         return out.shape[1] - len(ids)
+
+
+class StaticCompiledRunner(TransformersRunner):
+    """Prefill into a `StaticCache` of `positions` (reset first, as generate() starts a new one), then
+    decode steps on the compiled forward generate() uses (`enable(compile_decode=True)`)."""
+
+    def __init__(self, model, positions: int):
+        from transformers import StaticCache
+
+        from . import compiled_decode
+
+        super().__init__(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=compiled_decode.cache_positions(positions))
+        self.step = compiled_decode.compiled_call(model)
+        self.position = 0
+
+    def prefill(self, ids: list[int]):
+        import torch
+
+        self.cache.reset()
+        out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                         cache_position=torch.arange(len(ids)))
+        self.position = len(ids)
+        return self.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(self, cache, token, steps: int):
+        import torch
+
+        for _ in range(steps):
+            out = self.step(input_ids=token, past_key_values=cache, use_cache=True,
+                            cache_position=torch.tensor([self.position]))
+            self.position, token = self.position + 1, out.logits[:, -1].argmax(-1, keepdim=True)
+        return cache, token
 
 
 class LlamaCppRunner:
@@ -296,13 +335,17 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
     import torch
     import transformers
 
-    ours = backend.startswith("kernels")
-    setup_transformers(kernels_on=ours, repack_weights=backend == "kernels-repacked")
+    ours, compiled = backend.startswith("kernels"), backend == "kernels-compiled"
+    setup_transformers(kernels_on=ours, repack_weights=backend == "kernels-repacked", compile_decode=compiled)
     model, load_s = load_transformers_model(path, TRANSFORMERS_DTYPES[backend])
     after_load = {"load_peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": current_rss_mib()}
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     vocab_size = model.config.get_text_config().vocab_size
-    runner = TransformersRunner(model)
+    if compiled:  # a cache long enough for the longest prompt and its decode steps, warm-ups included
+        longest = max(*prompt_tokens, *FIRST_TOKEN_PROMPTS, PROFILED_PROMPT_TOKENS)
+        runner = StaticCompiledRunner(model, longest + decode_tokens + DECODE_WARMUP_STEPS + PROFILED_DECODE_STEPS)
+    else:
+        runner = TransformersRunner(model)
     with torch.inference_mode():
         timings = time_prefill_and_decode(runner, vocab_size, prompt_tokens, decode_tokens, repeats)
         timings.update(time_first_token_and_generate(runner, vocab_size, repeats))
@@ -321,7 +364,19 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      **(ggml_versions() if ours else {})},
         **({"dense_prefill": dense_prefill_active()} if ours else {}),
+        **(compile_record(model) if compiled else {}),
     }
+
+
+def compile_record(model) -> dict:
+    """kernels-compiled: compile_s ("batch x cache positions" -> seconds of that compile of the decode
+    step) and compile_failure (why it decoded eagerly instead, None when it did not)."""
+    from . import compiled_decode
+
+    rec = compiled_decode.record(model)
+    compiles = rec.compiles if rec else {}
+    return {"compile_s": {f"{batch} x {positions}": seconds for (batch, positions), seconds in compiles.items()},
+            "compile_failure": rec.failure if rec else None}
 
 
 def _bench_llama_cpp(path: Path, prompt_tokens, decode_tokens: int, repeats: int, threads: int) -> dict:
@@ -400,6 +455,11 @@ def format_result(result: dict) -> str:
         lines.append(f"  first token ms: {first}")
         lines.append(f"  generate() tok/s: {result['generate_tok_s']:.1f} ({gen['new_tokens']} tokens after "
                      f"{gen['prompt_tokens']}, the prompt included)")
+    if result.get("compile_failure"):
+        lines.append(f"  compiling the decode step failed, decoded eagerly: {result['compile_failure']}")
+    elif result.get("compile_s"):
+        compiles = ", ".join(f"batch {shape} positions: {s:.1f} s" for shape, s in result["compile_s"].items())
+        lines.append(f"  decode step compiled ({compiles}; not timed)")
     if result.get("kernel_calls") is not None:
         calls = ", ".join(f"{op} x{n}" for op, n in result["kernel_calls"].items()) or "none"
         lines.append(f"  our kernels in a {result['profiled']}: {calls}")

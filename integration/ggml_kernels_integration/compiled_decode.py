@@ -184,6 +184,9 @@ def guarded(model, compiled, eager):
             return eager(*args, **kwargs)
         shape = _shape(kwargs)
         first = shape not in rec.compiles
+        if first:  # the wait is tens of seconds: say so before it starts
+            LOGGER.info("ggml-kernels: compiling %s's decode step for batch %s, %s cache positions (once per "
+                        "model and shape)", type(model).__name__, shape[0], shape[1])
         start = time.perf_counter()
         try:
             out = compiled(*args, **kwargs)
@@ -203,11 +206,12 @@ def guarded(model, compiled, eager):
     return call
 
 
-def compile_forward(model):
-    """`model`'s forward compiled with `COMPILE_CONFIG` and `guarded`, for callers that drive the
-    decode loop themselves with a `StaticCache` (tools/bench/ab_decode.py)."""
-    options = {k: COMPILE_CONFIG[k] for k in ("fullgraph", "dynamic", "backend", "mode")}
-    return guarded(model, torch.compile(model.__call__, **options), model.__call__)
+def compiled_call(model):
+    """The compiled forward `generate()` decodes `model` with (transformers' `get_compiled_call` of
+    `compile_config()`, `guarded` by `install`), for callers that drive the decode loop themselves on
+    a `StaticCache` of `cache_positions` (bench.StaticCompiledRunner): one compile per shape with
+    generate()'s own, recorded in the same `Record`."""
+    return model.get_compiled_call(compile_config())
 
 
 def install(patches) -> None:

@@ -49,6 +49,17 @@ def test_bench_json(tiny):
     assert res["kernel_calls"].get("ggml_quantization::mul_mat_vec", 0) > 0
 
 
+def test_bench_compiled_decode_reports_its_compile(tiny):
+    """kernels-compiled: the runner's decode steps and generate() share one compile (both on a static
+    cache of compiled_decode.MIN_CACHE_POSITIONS), reported, not timed."""
+    proc = cli("bench", "--gguf", tiny, "--backend", "kernels-compiled", "--prompt-tokens", "9", "--decode-tokens",
+               "3", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert res["decode_tok_s"] > 0 and res["generate_tok_s"] > 0 and res["compile_failure"] is None, res
+    assert list(res["compile_s"]) == ["1 x 256"] and res["compile_s"]["1 x 256"] > 0, res["compile_s"]
+
+
 def test_bad_file(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")

@@ -127,42 +127,13 @@ def _switch_repack_weights(model):
     return use
 
 
-class _StaticCompiledRunner:
-    """Prefill into a `StaticCache` of `positions` (reset first, as generate() starts a new one), then
-    decode steps on the compiled forward, as generate() does with `enable(compile_decode=True)`."""
-
-    def __init__(self, model, positions: int):
-        from ggml_kernels_integration import compiled_decode
-        from transformers import StaticCache
-
-        self.model, self.cache = model, StaticCache(config=model.config, max_cache_len=positions)
-        self.step = compiled_decode.compile_forward(model)
-
-    def prefill(self, ids: list[int]):
-        import torch
-
-        self.cache.reset()
-        out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         cache_position=torch.arange(len(ids)))
-        return len(ids), out.logits[:, -1].argmax(-1, keepdim=True)
-
-    def decode(self, position: int, token, steps: int):
-        import torch
-
-        for _ in range(steps):
-            out = self.step(input_ids=token, past_key_values=self.cache, use_cache=True,
-                            cache_position=torch.tensor([position]))
-            position, token = position + 1, out.logits[:, -1].argmax(-1, keepdim=True)
-        return position, token
-
-
 def _switch_compiled_decode(model, positions: int):
     """`use(on)` returns the runner of the round: the static, compiled one when on (compiled here,
     before any round: the first step of each shape compiles)."""
     import torch
     from ggml_kernels_integration import bench, compiled_decode
 
-    compiled, eager = _StaticCompiledRunner(model, positions), bench.TransformersRunner(model)
+    compiled, eager = bench.StaticCompiledRunner(model, positions), bench.TransformersRunner(model)
     with torch.inference_mode():
         compiled.decode(*compiled.prefill([1, 2, 3]), 2)
     print(f"compiled decode: {compiled_decode.record(model).describe()}, torch threads {torch.get_num_threads()}")

@@ -42,9 +42,9 @@ MODEL_FILES = {  # name in the table -> the function that returns (and makes, if
     "qwen35moe-1.6b-a0.5b": lambda: make_gguf.ensure("qwen35moe-1.6b-a0.5b", "Q4_K_M"),
     "smollm2-135m": smollm2.gguf_path,
 }
-BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "kernels-repacked", "llama.cpp")
+BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "kernels-repacked", "kernels-compiled", "llama.cpp")
 BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf", "kernels": "#1f77b4",
-                  "kernels-repacked": "#6baed6",
+                  "kernels-repacked": "#6baed6", "kernels-compiled": "#08306b",
                   "llama.cpp": "#ff7f0e"}
 TARGET_DECODE_VS_LLAMA_CPP = 0.8
 TARGET_DECODE_VS_F32 = 3.0
@@ -223,6 +223,11 @@ def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dic
              f"first token: one forward over a prompt of that many tokens with a fresh cache; generate(): "
              f"{GENERATE_TOKENS} greedy tokens after {GENERATE_PROMPT_TOKENS} through the library's own loop, the "
              "prompt included; same token ids for every backend; one process per cell"]
+    compiles = [f"{r['model_name']} {', '.join(f'{k}: {v:.0f} s' for k, v in r['compile_s'].items())}"
+                for r in results if r.get("compile_s")]
+    if compiles:
+        notes.append("kernels-compiled: the decode step's compile (batch x cache positions, in the warm-ups, not "
+                     "timed): " + "; ".join(compiles))
     floors = [r["rss_at_start_mib"] for r in results if "error" not in r]
     if floors:
         low, high = f"{min(floors):.0f}", f"{max(floors):.0f}"

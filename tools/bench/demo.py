@@ -31,9 +31,10 @@ DEMO_MODELS = {
     "qwen35-0.8b": ("Qwen3.5-0.8B shapes, random weights, Q4_K_M", lambda: make_gguf.ensure("qwen35-0.8b", "Q4_K_M")),
     "smollm2-135m": ("SmolLM2-135M-Instruct, real weights, Q4_1", smollm2.gguf_path),
 }
-DEMO_BACKENDS = ("transformers-f32", "kernels", "llama.cpp")
+DEMO_BACKENDS = ("transformers-f32", "kernels", "kernels-compiled", "llama.cpp")
 BACKEND_LABELS = {"transformers-f32": "transformers f32", "transformers-bf16": "transformers bf16",
-                  "kernels": "ggml kernels (ours)", "llama.cpp": "llama.cpp"}
+                  "kernels": "ggml kernels (ours)", "kernels-compiled": "ours, compiled decode",
+                  "llama.cpp": "llama.cpp"}
 
 
 def _log(message: str) -> None:
@@ -98,6 +99,20 @@ def _kernel_summary(calls: dict) -> str:
     return "; ".join(f"{package}: {', '.join(ops)}" for package, ops in by_package.items()) or "none"
 
 
+def _against(row: dict, llama: dict) -> str:
+    """First token after each short prompt and generate(), llama.cpp's time over the row's."""
+    short = ", ".join(f"{llama['first_token_ms'][str(n)] / row['first_token_ms'][str(n)]:.2f}x after {n}"
+                      for n in FIRST_TOKEN_PROMPTS)
+    return f"first token {short}; generate() {row['generate_tok_s'] / llama['generate_tok_s']:.2f}x"
+
+
+def _compiles(row: dict) -> str:
+    if row.get("compile_failure"):
+        return f"compiling failed, eager instead: {row['compile_failure']}"
+    shapes = ", ".join(f"batch {shape} positions {s:.0f} s" for shape, s in row.get("compile_s", {}).items())
+    return f"compiled once per model and shape, not timed ({shapes})"
+
+
 def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
     n_prompt, n_decode = settings["prompt_tokens"][0], settings["decode_tokens"]
     first = "/".join(str(n) for n in FIRST_TOKEN_PROMPTS)
@@ -130,10 +145,12 @@ def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
                          f"{bench_e2e.fmt_value(ratio['memory_f32_over_this'], '.1f', 'x')} less peak memory than f32")
             llama = rows.get("llama.cpp", {})
             if "error" not in llama:
-                short = ", ".join(f"{llama['first_token_ms'][str(n)] / ours['first_token_ms'][str(n)]:.2f}x after {n}"
-                                  for n in FIRST_TOKEN_PROMPTS)
-                lines.append(f"  ours against llama.cpp (speed, above 1: ours is faster): first token {short}; "
-                             f"generate() {ours['generate_tok_s'] / llama['generate_tok_s']:.2f}x")
+                lines.append(f"  ours against llama.cpp (speed, above 1: ours is faster): {_against(ours, llama)}")
+            compiled = rows.get("kernels-compiled", {})
+            if "error" not in compiled and "error" not in llama:
+                lines.append(f"  compiled decode (`enable(compile_decode=True)`, off by default) against llama.cpp: "
+                             f"decode {compiled['decode_tok_s'] / llama['decode_tok_s']:.2f}x, {_against(compiled, llama)}; "
+                             f"{_compiles(compiled)}")
             lines.append(f"  our kernels in a {ours['profiled']}: {_kernel_summary(ours['kernel_calls'])}")
             versions = ours.get("versions", {})
             ggml = f"ggml {versions.get('ggml', '?')}, CPU level '{versions.get('ggml_cpu_level', '?')}'"
