@@ -24,21 +24,14 @@ A static cache needed one fix to be exact, in ggml-attn's `flash_attn_forward`: 
 comes without a mask, which transformers means as SDPA's top-left causal (the cache's empty
 positions unseen); ggml-attn read it bottom-right.
 
-Why it is off by default (AMD EPYC zen4, 2 cores shared with other jobs; `python -m
-tools.bench.ab_decode --feature compiled-decode`, median of 5 alternating rounds in one process,
-32-token prompt, 48-64 decode steps, eager = transformers' dynamic cache with `kv_cache`):
-- faster per token: 1 thread, SmolLM2-135M Q4_1 34.9 -> 25.8 ms/token (1.35x); Qwen3.5-0.8B-shaped
-  Q4_K_M 54.8 -> 44.3 ms/token (1.24x). At 2 threads the shared machine was too loaded to measure
-  (ggml's threads spin: runs were 5-20x slower than quiet ones, and split both ways: 0.8B 327 ->
-  282 ms/token, SmolLM2 112 -> 146);
-- but a compile costs 36-94 s per model and shape on this machine (SmolLM2 43-70 s, 0.8B 36-90 s,
-  the tiny test models 13-41 s with inductor's on-disk cache warm): 10k tokens and more to pay back;
-- and inductor's fused float code rounds its own way (vectorized exp, sin, ...): bit-identical on
-  the tiny test models, but on the 0.8B shape's 24 layers, whose 8-bit activation rounding turns
-  last-bit differences into whole steps, decode logits move by 1.5 % of their range (median, 2 %
-  max) and teacher-forced top-1 agrees on 97.9 % of the steps (eager's own static cache: 0.0).
-Lighter backends are exact but gain nothing: `backend="eager"` (dynamo only) 1.05x, compiled in
-10 s; `"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
+Why it is off by default (measurements: integration/README.md, "Compiled decode steps"): on the
+2-core AMD EPYC it gains 4-35 % per decode token, less than the gap to llama.cpp; a compile costs
+34-94 s per model and shape with inductor's on-disk cache cold, 9-12 s warm, in every new process;
+and inductor's own float rounding (vectorized exp, sin, ...; bit-identical on the tiny test models)
+moves the 0.8B-shaped model's decode logits by ~1.5 % of their range, its 8-bit activation rounding
+turning last-bit differences into whole steps (top-1 agreement 97.9 % teacher-forced). Lighter
+backends are exact but gain nothing: `backend="eager"` (dynamo only) 1.05x, compiled in 10 s;
+`"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
 """
 
 from __future__ import annotations
