@@ -4,9 +4,10 @@
    and the real SmolLM2-135M-Instruct Q4_1 (arch llama, tools/models/smollm2.py).
 2. SmolLM2 answers a question with greedy decoding through our kernels (`python -m
    ggml_kernels_integration generate --chat`), next to transformers alone and llama.cpp.
-3. Each model on each backend in a process of its own (`python -m ggml_kernels_integration bench`):
-   prefill and decode tokens/s, time to first token after 4 / 16 / 64-token prompts, generate()
-   tokens/s, peak memory, and which of our kernels ran (torch profiler).
+3. Each model on each backend (transformers f32, ours, ours with compiled decode steps, llama.cpp) in
+   a process of its own (`python -m ggml_kernels_integration bench`): prefill and decode tokens/s,
+   time to first token after 4 / 16 / 64-token prompts, generate() tokens/s, peak memory, which of
+   our kernels ran (torch profiler), and the seconds the compiled row spent compiling (not timed).
 
     python -m tools.bench.demo [--threads N] [--prompt-tokens 64] [--decode-tokens 32]
 
