@@ -379,6 +379,14 @@ def compile_record(model) -> dict:
             "compile_failure": rec.failure if rec else None}
 
 
+def describe_compiles(result: dict) -> str:
+    """kernels-compiled: one line on its decode step's compiles (or why it decoded eagerly)."""
+    if result.get("compile_failure"):
+        return f"compiling the decode step failed, decoded eagerly: {result['compile_failure']}"
+    shapes = ", ".join(f"batch {shape} positions: {s:.0f} s" for shape, s in result.get("compile_s", {}).items())
+    return f"decode step compiled once per model and shape, not timed ({shapes})"
+
+
 def _bench_llama_cpp(path: Path, prompt_tokens, decode_tokens: int, repeats: int, threads: int) -> dict:
     import llama_cpp
 
@@ -455,11 +463,8 @@ def format_result(result: dict) -> str:
         lines.append(f"  first token ms: {first}")
         lines.append(f"  generate() tok/s: {result['generate_tok_s']:.1f} ({gen['new_tokens']} tokens after "
                      f"{gen['prompt_tokens']}, the prompt included)")
-    if result.get("compile_failure"):
-        lines.append(f"  compiling the decode step failed, decoded eagerly: {result['compile_failure']}")
-    elif result.get("compile_s"):
-        compiles = ", ".join(f"batch {shape} positions: {s:.1f} s" for shape, s in result["compile_s"].items())
-        lines.append(f"  decode step compiled ({compiles}; not timed)")
+    if result.get("compile_failure") or result.get("compile_s"):
+        lines.append(f"  {describe_compiles(result)}")
     if result.get("kernel_calls") is not None:
         calls = ", ".join(f"{op} x{n}" for op, n in result["kernel_calls"].items()) or "none"
         lines.append(f"  our kernels in a {result['profiled']}: {calls}")

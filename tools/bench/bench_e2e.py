@@ -32,7 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-from ggml_kernels_integration.bench import FIRST_TOKEN_PROMPTS, GENERATE_PROMPT_TOKENS, GENERATE_TOKENS
+from ggml_kernels_integration.bench import (
+    FIRST_TOKEN_PROMPTS,
+    GENERATE_PROMPT_TOKENS,
+    GENERATE_TOKENS,
+    describe_compiles,
+)
 
 from tools import REPO
 from tools.models import make_gguf, smollm2
@@ -223,11 +228,8 @@ def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dic
              f"first token: one forward over a prompt of that many tokens with a fresh cache; generate(): "
              f"{GENERATE_TOKENS} greedy tokens after {GENERATE_PROMPT_TOKENS} through the library's own loop, the "
              "prompt included; same token ids for every backend; one process per cell"]
-    compiles = [f"{r['model_name']} {', '.join(f'{k}: {v:.0f} s' for k, v in r['compile_s'].items())}"
-                for r in results if r.get("compile_s")]
-    if compiles:
-        notes.append("kernels-compiled: the decode step's compile (batch x cache positions, in the warm-ups, not "
-                     "timed): " + "; ".join(compiles))
+    notes += [f"{r['model_name']} kernels-compiled: {describe_compiles(r)}" for r in results
+              if r.get("compile_s") or r.get("compile_failure")]
     floors = [r["rss_at_start_mib"] for r in results if "error" not in r]
     if floors:
         low, high = f"{min(floors):.0f}", f"{max(floors):.0f}"

@@ -21,7 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from ggml_kernels_integration.bench import FIRST_TOKEN_PROMPTS, GENERATE_PROMPT_TOKENS, GENERATE_TOKENS
+from ggml_kernels_integration.bench import (
+    FIRST_TOKEN_PROMPTS,
+    GENERATE_PROMPT_TOKENS,
+    GENERATE_TOKENS,
+    describe_compiles,
+)
 
 from tools.bench import bench_e2e
 from tools.models import make_gguf, smollm2
@@ -107,13 +112,6 @@ def _against(row: dict, llama: dict) -> str:
     return f"first token {short}; generate() {row['generate_tok_s'] / llama['generate_tok_s']:.2f}x"
 
 
-def _compiles(row: dict) -> str:
-    if row.get("compile_failure"):
-        return f"compiling failed, eager instead: {row['compile_failure']}"
-    shapes = ", ".join(f"batch {shape} positions {s:.0f} s" for shape, s in row.get("compile_s", {}).items())
-    return f"compiled once per model and shape, not timed ({shapes})"
-
-
 def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
     n_prompt, n_decode = settings["prompt_tokens"][0], settings["decode_tokens"]
     first = "/".join(str(n) for n in FIRST_TOKEN_PROMPTS)
@@ -151,7 +149,7 @@ def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
             if "error" not in compiled and "error" not in llama:
                 lines.append(f"  compiled decode (`enable(compile_decode=True)`, off by default) against llama.cpp: "
                              f"decode {compiled['decode_tok_s'] / llama['decode_tok_s']:.2f}x, {_against(compiled, llama)}; "
-                             f"{_compiles(compiled)}")
+                             f"{describe_compiles(compiled)}")
             lines.append(f"  our kernels in a {ours['profiled']}: {_kernel_summary(ours['kernel_calls'])}")
             versions = ours.get("versions", {})
             ggml = f"ggml {versions.get('ggml', '?')}, CPU level '{versions.get('ggml_cpu_level', '?')}'"
