@@ -11,13 +11,17 @@ torch code between our ops.
 With `enable(compile_decode=True)`, `generate()` of a model loaded packed, on the CPU, where the
 caller chose no cache, cache implementation, compile config or assistant of their own, runs with
 `cache_implementation="static"` and `COMPILE_CONFIG` (transformers still runs the prefill eagerly).
-The graph is compiled once per model and shape (batch size, cache length). transformers sizes a
-static cache for the longest generation asked so far, so each longer call (a chat's next turn) would
-compile again; the cache length is rounded up to a power of two of at least `MIN_CACHE_POSITIONS`
-(`cache_positions`), so a model compiles once per doubling. The seconds of each compile are kept per
-model, logged, and shown by `summary(model)`. A compile that
-fails (dynamo or inductor raises before the graph runs, so nothing was written into the cache)
-falls back to the eager forward for that step and the model's later generations, with one warning.
+The graph is compiled once per model and shape (batch size, cache length), each model's graphs its
+own (`decode_step`: not shared through dynamo's per-function cache), and a full `enable()` after
+`disable()` compiles anew. dynamo's guards on the model's module attributes are left out
+(`keep_guard`): checked before every step, they cost 0.6-1.4 ms (4-8 % of a SmolLM2 step); its
+weights' tensor guards stay. transformers sizes a static cache for the longest generation asked so
+far, so each longer call (a chat's next turn) would compile again; the cache length is rounded up to
+a power of two of at least `MIN_CACHE_POSITIONS` (`cache_positions`), so a model compiles once per
+doubling. The seconds of each compile are kept per model, logged, and shown by `summary(model)`. A
+compile that fails (dynamo or inductor raises before the graph runs, so nothing was written into the
+cache) falls back to the eager forward for that step and the model's later generations, with one
+warning; so does a model whose step needs a graph break (`fullgraph`).
 Inside a compiled step `projection_groups`' shared calls step aside (`torch.compiler.is_compiling()`:
 they keep outputs between calls), which changes no bit; `kv_cache` is not involved (a static cache).
 A static cache needed one fix to be exact, in ggml-attn's `flash_attn_forward`: a prefill into it
@@ -59,12 +63,14 @@ compat.needs(
 LOGGER = logging.getLogger("ggml_kernels_integration")
 DEFAULT = False  # off: faster per token, but see the module docstring for the compile time and numerics
 # transformers' CompileConfig fields: one graph per shape (a decode step's shapes never change with a
-# static cache), inductor's default mode ("reduce-overhead" means CUDA graphs, which a CPU has not)
-COMPILE_CONFIG = {"fullgraph": False, "dynamic": False, "backend": "inductor", "mode": "default"}
+# static cache) and per step (fullgraph: no frame compiled apart, see `keep_guard`), inductor's
+# default mode ("reduce-overhead" means CUDA graphs, which a CPU has not)
+COMPILE_CONFIG = {"fullgraph": True, "dynamic": False, "backend": "inductor", "mode": "default"}
 RECORD_ATTR = "_ggml_kernels_compiled_decode"
+OURS_ATTR = "_ggml_kernels_decode"  # marks the CompileConfig of `compile_config()`
 # the shortest static cache a compiled generate() gets (positions; longer ones are powers of two)
 MIN_CACHE_POSITIONS = 256
-_state = {"on": DEFAULT}
+_state = {"on": DEFAULT, "installs": 0}  # installs: full enable()s so far (a step compiled under others is not reused)
 _sizing = contextvars.ContextVar("ggml_kernels_compiled_generate", default=False)  # in a generate() that `applies`
 # what the caller may have chosen: any of these in generate()'s arguments or the model's generation
 # config leaves the cache and compilation to them
@@ -90,11 +96,13 @@ def is_enabled() -> bool:
 class Record:
     """A model's compiled decode: compile seconds per shape, and why it fell back to eager, if it did."""
 
-    __slots__ = ("compiles", "failure")
+    __slots__ = ("compiles", "failure", "step", "installs")
 
     def __init__(self) -> None:
         self.compiles: dict[tuple, float] = {}  # (batch, cache length) -> seconds of the first step
         self.failure: str | None = None
+        self.step = None  # the `guarded` compiled call of `compile_config()` (`decode_step`)
+        self.installs = -1  # _state["installs"] when `step` was made
 
     def describe(self) -> str:
         if self.failure:
@@ -149,7 +157,45 @@ def compile_config():
 
     config = CompileConfig(**COMPILE_CONFIG)
     config._compile_all_devices = True  # transformers' switch for compiling on other devices than GPUs
+    setattr(config, OURS_ATTR, True)
     return config
+
+
+def keep_guard(entries) -> list[bool]:
+    """dynamo's `guard_filter_fn` for a decode step: every guard but those on the model's modules'
+    attributes (hook dicts empty, attribute types, constants and closures: ~8,000 on SmolLM2's 30
+    layers, checked before every step: the check took 2.1-2.4 ms of a SmolLM2 step on the EPYC,
+    1.0-1.6 ms with these left out). The tensor guards of its weights (dtype, shape, strides) stay, so
+    a graph never runs on weights it was not compiled for. What the dropped guards would notice is
+    the model's modules edited after its first compiled step; `enable()` after `disable()` compiles
+    anew (`decode_step`), anything else (a hook added, a module swapped) needs `reset(model)`. The
+    graph is the model's own (`isolate_recompiles`) and whole (`fullgraph`), so no other model's
+    entries are tried on it."""
+    return [e.guard_type == "TENSOR_MATCH" or not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
+
+
+def _compile(model, config: dict):
+    """torch.compile of `model.__call__` with `config` (`COMPILE_CONFIG`'s fields) and `keep_guard`."""
+    config = dict(config)
+    mode = config.pop("mode", None)
+    if mode not in (None, "default"):
+        raise ValueError(f"compiled decode takes inductor's default mode, not {mode!r}")
+    return torch.compile(model.__call__, **config, options={"guard_filter_fn": keep_guard}, isolate_recompiles=True)
+
+
+def decode_step(model):
+    """The model's compiled decode step (`guarded`), made again after a later `enable()`."""
+    rec = _record_of(model)
+    if rec.step is None or rec.installs != _state["installs"]:
+        rec.compiles.clear()
+        rec.step, rec.installs = guarded(model, _compile(model, COMPILE_CONFIG), model.__call__), _state["installs"]
+    return rec.step
+
+
+def reset(model) -> None:
+    """Forget the model's compiled decode step (and a failed compile): its next compiled generate()
+    compiles again. Needed after editing the model's modules once a step ran compiled (`keep_guard`)."""
+    model.__dict__.pop(RECORD_ATTR, None)
 
 
 def _shape(kwargs: dict) -> tuple:
@@ -201,16 +247,19 @@ def guarded(model, compiled, eager):
 
 def compiled_call(model):
     """The compiled forward `generate()` decodes `model` with (transformers' `get_compiled_call` of
-    `compile_config()`, `guarded` by `install`), for callers that drive the decode loop themselves on
-    a `StaticCache` of `cache_positions` (bench.StaticCompiledRunner): one compile per shape with
-    generate()'s own, recorded in the same `Record`."""
+    `compile_config()`, which `install` makes `decode_step`), for callers that drive the decode loop
+    themselves on a `StaticCache` of `cache_positions` (bench.StaticCompiledRunner): one compile per
+    shape with generate()'s own, recorded in the same `Record`."""
     return model.get_compiled_call(compile_config())
 
 
 def install(patches) -> None:
     """Through `patches` (a `PatchSet`): `generate()` takes a static cache of `cache_positions` and
-    `compile_config()` where `applies`, and transformers' compiled call of a packed CPU model is `guarded`."""
+    `compile_config()` where `applies`; transformers' compiled call of a packed CPU model is
+    `decode_step` for that config, and `guarded` for a caller's own."""
     from transformers import GenerationMixin, PreTrainedModel
+
+    _state["installs"] += 1
 
     def make_generate(original):
         def generate(self, *args, **kwargs):
@@ -236,6 +285,8 @@ def install(patches) -> None:
 
     def make_compiled_call(original):
         def get_compiled_call(self, config):
+            if getattr(config, OURS_ATTR, False) and _is_packed_cpu_model(self):
+                return decode_step(self)
             compiled = original(self, config)
             if not _is_packed_cpu_model(self):
                 return compiled

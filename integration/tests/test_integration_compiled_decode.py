@@ -103,6 +103,44 @@ print("RESULT" + json.dumps({
 }))
 """
 
+# two models of the same file, the second's attention scaled otherwise (an attribute, no tensor),
+# then a new enable(): each gets a graph of its own (compiled_decode.keep_guard leaves out the guards
+# on module attributes, which would have told the two apart)
+OWN_GRAPHS = LOAD + """
+import logging
+compiling = []
+handler = logging.Handler()
+handler.emit = lambda record: compiling.append(record.getMessage()) if "compiling" in record.getMessage() else None
+logging.getLogger("ggml_kernels_integration").addHandler(handler)
+logging.getLogger("ggml_kernels_integration").setLevel(logging.INFO)
+
+def load_scaled():
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    scaled = [mod for mod in m.modules() if isinstance(getattr(mod, "scaling", None), float)]
+    for mod in scaled:
+        mod.scaling *= 4.0
+    return m, len(scaled)
+
+first = gen()
+first_model = model
+model, scaled = load_scaled()
+other = gen()
+gk.disable()
+gk.enable(report_loads=False, compile_decode=True)
+model = first_model
+again = gen()
+rec = compiled_decode.record(model)
+gk.enable(compile_decode=False)
+static = gen(cache_implementation="static")
+model, _ = load_scaled()
+other_static = gen(cache_implementation="static")
+print("RESULT" + json.dumps({
+    "scaled": scaled, "rel_first": rel(first[1], static[1]), "rel_other": rel(other[1], other_static[1]),
+    "rel_other_first": rel(other_static[1], static[1]), "rel_again": rel(again[1], static[1]),
+    "again_compiles": len(rec.compiles), "failure": rec.failure, "compiling": compiling,
+}))
+"""
+
 
 def write_tiny_llama(path) -> None:
     """A 2-block llama (SmolLM2's layout: GQA, tied embedding) of hidden size 64, random weights:
@@ -204,6 +242,16 @@ def test_a_failed_compile_falls_back_to_eager_with_one_warning(tmp_path_factory)
     assert res["first_same"], res  # the failed generate() finished eagerly on its static cache
     assert res["second_cache"] == "DynamicCache" and res["second_same"], res  # later ones: eager default
     assert "compiled decode failed, eager instead" in res["summary"], res["summary"]
+
+
+@pytest.mark.slow  # three compiles
+def test_each_model_and_each_enable_compile_their_own_step(tmp_path_factory):
+    res = run(OWN_GRAPHS, "qwen35-tiny", tmp_path_factory)
+    assert res["failure"] is None and res["scaled"] > 0, res
+    assert min(res["rel_other_first"]) > 0.01, res  # the scaling changes the logits
+    assert max(res["rel_first"]) < 0.005 and max(res["rel_other"]) < 0.005, res  # each ran its own graph
+    # the enable() after disable() compiled anew: three compiles in all
+    assert max(res["rel_again"]) < 0.005 and res["again_compiles"] == 1 and len(res["compiling"]) == 3, res
 
 
 @pytest.mark.parametrize(("needed", "positions"), [(0, 256), (1, 256), (256, 256), (257, 512), (4096, 4096),

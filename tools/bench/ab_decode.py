@@ -25,6 +25,9 @@ Features:
               ggml_kernels_integration.compiled_decode (`enable(compile_decode=True)`: a static cache
               and the model's forward compiled by torch.compile) vs eager steps on transformers'
               dynamic cache; the compile (once, before the rounds) is reported, not timed
+    compile-guards
+              compiled decode steps with `compiled_decode.keep_guard` (dynamo's guards on module
+              attributes left out) vs the same graph with all of dynamo's guards
     repack-weights
               ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
               MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
@@ -144,8 +147,29 @@ def _switch_compiled_decode(model, positions: int):
     return use
 
 
+def _switch_compile_guards(model, positions: int):
+    """Compiled steps with `compiled_decode.keep_guard` (on) against the same graph with all of
+    dynamo's guards (off): two isolated compiles of the model, before any round."""
+    import torch
+    from ggml_kernels_integration import bench, compiled_decode
+
+    kept, every = bench.StaticCompiledRunner(model, positions), bench.StaticCompiledRunner(model, positions)
+    config = {k: v for k, v in compiled_decode.COMPILE_CONFIG.items() if k != "mode"}
+    every.step = compiled_decode.guarded(model, torch.compile(model.__call__, **config, isolate_recompiles=True),
+                                         model.__call__)
+    with torch.inference_mode():
+        for runner in (kept, every):
+            runner.decode(*runner.prefill([1, 2, 3]), 2)
+
+    def use(on: bool):
+        return kept if on else every
+
+    return use
+
+
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
-            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights, "compiled-decode": _switch_compiled_decode}
+            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights, "compiled-decode": _switch_compiled_decode,
+            "compile-guards": _switch_compile_guards}
 
 
 def main() -> None:
@@ -170,6 +194,8 @@ def main() -> None:
 
             compiled_decode.COMPILE_CONFIG["backend"] = args.compile_backend
         use = _switch_compiled_decode(model, args.prompt_tokens + args.decode_tokens + 16)
+    elif args.feature == "compile-guards":
+        use = _switch_compile_guards(model, args.prompt_tokens + args.decode_tokens + 16)
     else:
         use = FEATURES[args.feature](model)
     vocab = model.config.get_text_config().vocab_size
