@@ -174,13 +174,15 @@ def keep_guard(entries) -> list[bool]:
     return [e.guard_type == "TENSOR_MATCH" or not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
 
 
-def _compile(model, config: dict):
-    """torch.compile of `model.__call__` with `config` (`COMPILE_CONFIG`'s fields) and `keep_guard`."""
+def compile_model(model, config: dict, guard_filter=keep_guard):
+    """torch.compile of `model.__call__` with `config` (`COMPILE_CONFIG`'s fields), in a region of its
+    own (`isolate_recompiles`), with `guard_filter` (None: all of dynamo's guards)."""
     config = dict(config)
     mode = config.pop("mode", None)
     if mode not in (None, "default"):
         raise ValueError(f"compiled decode takes inductor's default mode, not {mode!r}")
-    return torch.compile(model.__call__, **config, options={"guard_filter_fn": keep_guard}, isolate_recompiles=True)
+    options = {"guard_filter_fn": guard_filter} if guard_filter is not None else None
+    return torch.compile(model.__call__, **config, options=options, isolate_recompiles=True)
 
 
 def decode_step(model):
@@ -188,7 +190,7 @@ def decode_step(model):
     rec = _record_of(model)
     if rec.step is None or rec.installs != _state["installs"]:
         rec.compiles.clear()
-        rec.step, rec.installs = guarded(model, _compile(model, COMPILE_CONFIG), model.__call__), _state["installs"]
+        rec.step, rec.installs = guarded(model, compile_model(model, COMPILE_CONFIG), model.__call__), _state["installs"]
     return rec.step
 
 

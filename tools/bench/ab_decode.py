@@ -154,9 +154,8 @@ def _switch_compile_guards(model, positions: int):
     from ggml_kernels_integration import bench, compiled_decode
 
     kept, every = bench.StaticCompiledRunner(model, positions), bench.StaticCompiledRunner(model, positions)
-    config = {k: v for k, v in compiled_decode.COMPILE_CONFIG.items() if k != "mode"}
-    every.step = compiled_decode.guarded(model, torch.compile(model.__call__, **config, isolate_recompiles=True),
-                                         model.__call__)
+    every_guard = compiled_decode.compile_model(model, compiled_decode.COMPILE_CONFIG, guard_filter=None)
+    every.step = compiled_decode.guarded(model, every_guard, model.__call__)
     with torch.inference_mode():
         for runner in (kept, every):
             runner.decode(*runner.prefill([1, 2, 3]), 2)
