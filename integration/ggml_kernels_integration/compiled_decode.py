@@ -174,14 +174,18 @@ def keep_guard(entries) -> list[bool]:
     return [e.guard_type == "TENSOR_MATCH" or not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
 
 
-def compile_model(model, config: dict, guard_filter=keep_guard):
+def compile_model(model, config: dict, guard_filter=keep_guard, inductor: dict | None = None):
     """torch.compile of `model.__call__` with `config` (`COMPILE_CONFIG`'s fields), in a region of its
-    own (`isolate_recompiles`), with `guard_filter` (None: all of dynamo's guards)."""
+    own (`isolate_recompiles`), with `guard_filter` (None: all of dynamo's guards) and inductor's
+    options `inductor` (none: its defaults)."""
     config = dict(config)
     mode = config.pop("mode", None)
     if mode not in (None, "default"):
         raise ValueError(f"compiled decode takes inductor's default mode, not {mode!r}")
-    options = {"guard_filter_fn": guard_filter} if guard_filter is not None else None
+    options = dict(inductor or {})
+    if guard_filter is not None:
+        options["guard_filter_fn"] = guard_filter
+    options = options or None
     return torch.compile(model.__call__, **config, options=options, isolate_recompiles=True)
 
 

@@ -64,10 +64,20 @@ again_s = time.perf_counter() - start
 lengths = [cache_len()]
 longer = gen(max_new_tokens=40)  # 50 positions: the same power-of-two cache, no new compile
 lengths.append(cache_len())
+# a weight changed in place after the compile: the compiled step reads it (the graph holds no copy)
+final_norm = next(m for name, m in model.named_modules() if name.endswith("model.norm"))
+saved = final_norm.weight.detach().clone()
+with torch.no_grad():
+    final_norm.weight.add_(0.5)
+    changed = gen()
+    final_norm.weight.copy_(saved)
 rec = compiled_decode.record(model)
 gk.enable(compile_decode=False)
 static = gen(cache_implementation="static")
 dynamic = gen()
+with torch.no_grad():
+    final_norm.weight.add_(0.5)
+    changed_static = gen(cache_implementation="static")
 print("RESULT" + json.dumps({
     "cache": cache, "static_cache": static[2], "dynamic_cache": dynamic[2],
     "compiles": len(rec.compiles), "compile_s": list(rec.compiles.values()), "failure": rec.failure,
@@ -76,6 +86,7 @@ print("RESULT" + json.dumps({
     "same_tokens_static": tokens == static[0], "rel_static": rel(logits, static[1]),
     "first_token_dynamic": tokens[10] == dynamic[0][10], "same_tokens_dynamic": tokens == dynamic[0],
     "rel_dynamic": rel(logits, dynamic[1]),
+    "rel_changed": rel(changed[1], changed_static[1]), "rel_changed_before": rel(changed_static[1], static[1]),
     "summary": gk.report.describe(gk.summary(model)),
 }))
 """
@@ -214,6 +225,8 @@ def test_compiled_steps_equal_eager_steps_on_the_static_cache(compiled):
     assert res["failure"] is None
     assert res["same_tokens_static"], res
     assert max(res["rel_static"]) < 0.005, res["rel_static"]
+    # a weight changed in place after the compile: the graph reads the changed weight
+    assert max(res["rel_changed"]) < 0.005 and min(res["rel_changed_before"]) > 0.01, res
 
 
 @pytest.mark.slow

@@ -28,6 +28,8 @@ Features:
     compile-guards
               compiled decode steps with `compiled_decode.keep_guard` (dynamo's guards on module
               attributes left out) vs the same graph with all of dynamo's guards
+    compile-cpp-wrapper
+              compiled decode steps with inductor's Python wrapper (ours) vs its C++ wrapper
     repack-weights
               ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
               MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
@@ -147,28 +149,43 @@ def _switch_compiled_decode(model, positions: int):
     return use
 
 
-def _switch_compile_guards(model, positions: int):
-    """Compiled steps with `compiled_decode.keep_guard` (on) against the same graph with all of
-    dynamo's guards (off): two isolated compiles of the model, before any round."""
+def _against_compiled(model, positions: int, **other):
+    """`use(on)`: compiled steps as `compiled_decode` makes them (on) against the same model compiled by
+    `compiled_decode.compile_model(model, COMPILE_CONFIG, **other)` (off): two isolated compiles,
+    before any round."""
     import torch
     from ggml_kernels_integration import bench, compiled_decode
 
-    kept, every = bench.StaticCompiledRunner(model, positions), bench.StaticCompiledRunner(model, positions)
-    every_guard = compiled_decode.compile_model(model, compiled_decode.COMPILE_CONFIG, guard_filter=None)
-    every.step = compiled_decode.guarded(model, every_guard, model.__call__)
+    ours, theirs = bench.StaticCompiledRunner(model, positions), bench.StaticCompiledRunner(model, positions)
+    theirs.step = compiled_decode.guarded(model, compiled_decode.compile_model(model, compiled_decode.COMPILE_CONFIG, **other),
+                                          model.__call__)
     with torch.inference_mode():
-        for runner in (kept, every):
-            runner.decode(*runner.prefill([1, 2, 3]), 2)
+        for name, runner in (("on", ours), ("off", theirs)):
+            cache, token = runner.prefill([1, 2, 3])
+            start = time.perf_counter()
+            runner.decode(cache, token, 2)  # the first step compiles
+            print(f"compiled decode ({name}): first two steps {time.perf_counter() - start:.1f} s")
 
     def use(on: bool):
-        return kept if on else every
+        return ours if on else theirs
 
     return use
 
 
+def _switch_compile_guards(model, positions: int):
+    """Compiled steps with `compiled_decode.keep_guard` (on) against all of dynamo's guards (off)."""
+    return _against_compiled(model, positions, guard_filter=None)
+
+
+def _switch_compile_cpp_wrapper(model, positions: int):
+    """Compiled steps with inductor's Python wrapper (`compiled_decode`'s, on) against its C++ wrapper
+    (`cpp_wrapper`, off: the graph's calls of our ops and its kernels made from C++)."""
+    return _against_compiled(model, positions, inductor={"cpp_wrapper": True})
+
+
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
             "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights, "compiled-decode": _switch_compiled_decode,
-            "compile-guards": _switch_compile_guards}
+            "compile-guards": _switch_compile_guards, "compile-cpp-wrapper": _switch_compile_cpp_wrapper}
 
 
 def main() -> None:
@@ -193,8 +210,8 @@ def main() -> None:
 
             compiled_decode.COMPILE_CONFIG["backend"] = args.compile_backend
         use = _switch_compiled_decode(model, args.prompt_tokens + args.decode_tokens + 16)
-    elif args.feature == "compile-guards":
-        use = _switch_compile_guards(model, args.prompt_tokens + args.decode_tokens + 16)
+    elif args.feature.startswith("compile-"):
+        use = FEATURES[args.feature](model, args.prompt_tokens + args.decode_tokens + 16)
     else:
         use = FEATURES[args.feature](model)
     vocab = model.config.get_text_config().vocab_size
@@ -222,6 +239,8 @@ def main() -> None:
           f"median of {args.rounds} alternating rounds: prefill off {p_off:.1f} tok/s, on {p_on:.1f} tok/s "
           f"({p_on / p_off:.3f}x); decode off {off:.2f} ms/token, on {on:.2f} ms/token "
           f"({off / on:.3f}x); last greedy token off {tokens[False]}, on {tokens[True]}")
+    # each round's pair: how far the rounds spread says how much of the median ratio is noise
+    print("  decode ms/token by round (off/on): " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(times[False], times[True], strict=True)))
 
 
 if __name__ == "__main__":
