@@ -131,7 +131,7 @@ def tests(session: nox.Session, torch: str, transformers: str, tier: str) -> Non
     # the model files the tests share, made before any test runs (.ci/run runs the cells side by side)
     session.run_install("python", "-c", SHARED_MODELS, env=_env(session))
     selection = [] if session.posargs and tier == "transformers" else TIERS[tier]
-    session.run("python", "-m", "pytest", *selection, *session.posargs, env=_env(session))
+    session.run("python", "-m", "pytest", "--durations=10", *selection, *session.posargs, env=_env(session))
 
 
 @nox.session

@@ -115,9 +115,8 @@ def _place(src: Path, dest: Path) -> None:
 def _extension(name: str, sources: list[Path], *, mps: bool, flags: tuple[str, ...] = ()):
     """An extension of the packages' glue (Graph, ggml_runtime) with `sources`, over the twin's
     runtime and the MPS backend (mps) or the emulated runtime and its backend, built in the cache."""
-    import torch.utils.cpp_extension as ext
-
     from tools.build import mps_runtime
+    from tools.testing import jit_extension
 
     build_dir = OUT / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -135,10 +134,10 @@ def _extension(name: str, sources: list[Path], *, mps: bool, flags: tuple[str, .
         # mps_platform.h on the twin (the backend's tensor_buffer, synchronize): clang-built, over the fake
         ldflags = [str(mps_runtime.platform_object()), str(fake), f"-Wl,-rpath,{fake.parent}",
                    f"-l:{mps_runtime.OBJC_RUNTIME}"]
-    return ext.load(name=name, build_directory=str(build_dir), verbose=False,
-                    sources=[str(p) for p in [*sources, common / "ggml_torch.cpp", common / "ggml_runtime.cpp", backend]],
-                    extra_include_paths=[str(common), str(MPS), str(upstream.ggml_tree() / "include")],
-                    extra_cflags=cflags, extra_ldflags=ldflags)
+    return jit_extension.load(build_dir, name=name, verbose=False,
+                              sources=[str(p) for p in [*sources, common / "ggml_torch.cpp", common / "ggml_runtime.cpp", backend]],
+                              extra_include_paths=[str(common), str(MPS), str(upstream.ggml_tree() / "include")],
+                              extra_cflags=cflags, extra_ldflags=ldflags)
 
 
 @pytest.fixture(scope="module")
