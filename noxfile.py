@@ -77,6 +77,8 @@ def _build(session: nox.Session) -> None:
 def _install_llama_cpp(session: nox.Session) -> None:
     """The independent oracle: llama.cpp b11312 via llama-cpp-python, built once and cached."""
     wheel = session.run_install("python", "-m", "tools.build.llama_cpp_wheel", silent=True, env=_env(session))
+    if wheel is None:  # `nox -R` on an installed virtualenv runs no install step
+        return
     wheel = wheel.strip().splitlines()[-1]
     session.install("--no-deps", wheel)
     session.install(*LLAMA_CPP_DEPS)
