@@ -97,6 +97,44 @@ def test_paused_ggml_threadpool_computes_the_same_when_called_again():
     graph.close()
 
 
+@pytest.mark.skipif(not ggml_ctypes.available(), reason="llama-cpp-python's ggml is not installed")
+def test_mul_mat_on_a_borrowed_weight_reads_it_in_place():
+    rng = np.random.default_rng(1)
+    blocks = torch.from_numpy(ggml_ctypes.quantize(rng.standard_normal((32, 256)).astype(np.float32), 8))  # Q8_0
+    blocks = blocks.clone().numpy()  # torch's memory: 64-byte aligned
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    copied = ggml_ctypes.MulMat(blocks, 8, cols=256, m=2)
+    borrowed = ggml_ctypes.MulMat(blocks, 8, cols=256, m=2, borrow=True)
+    assert borrowed._data(borrowed.w) == blocks.ctypes.data
+    np.testing.assert_array_equal(borrowed(x), copied(x))
+    blocks[:] = ggml_ctypes.quantize(rng.standard_normal((32, 256)).astype(np.float32), 8)
+    np.testing.assert_array_equal(borrowed(x), ggml_ctypes.MulMat(blocks, 8, cols=256, m=2)(x))
+    borrowed.close()
+    copied.close()
+    with pytest.raises(ValueError, match="32-byte aligned"):
+        ggml_ctypes.MulMat(np.frombuffer(bytes(blocks.nbytes + 1), np.uint8)[1:].reshape(blocks.shape), 8,
+                           cols=256, m=2, borrow=True)
+
+
+@pytest.mark.skipif(not ggml_ctypes.available(), reason="llama-cpp-python's ggml is not installed")
+def test_benchmark_products_read_the_same_weight_copies_as_ggml():
+    """ours and ggml's graph of one workload read the very same pages of its weight copies (where
+    copies lie moves a one-row product by up to ~10 %); the dense implementations keep their own."""
+    from tools.testing.kernel_testing import load_kernel
+
+    kernel = load_kernel("ggml-org/ggml-quantization")
+    script = REPO / "packages" / "ggml-quantization" / "benchmarks" / "benchmark_mul_mat.py"
+    classes = {cls.__name__: cls for cls in vg.load_script(script)}
+    made = {}
+    for name in ("MulMatVec", "MulMatVec_ggml", "MulMatVec_tf_f32"):
+        made[name] = classes[name]()
+        made[name].kernel = kernel
+        made[name]._setup("Q4_0", 64, 256, 1)
+    ours, ggml, dense = made["MulMatVec"].weights, made["MulMatVec_ggml"].weights, made["MulMatVec_tf_f32"].weights
+    assert len(ours) > 1 and [w.data_ptr() for w in ours] == [g._data(g.w) for g in ggml]
+    assert dense[0].dtype == torch.float32
+
+
 def test_ratio_is_the_median_of_per_round_ratios():
     timing = vg.Timing(ours_ms=[1.0, 2.0, 1.0, 10.0, 1.0], ggml_ms=[0.9, 2.0, 1.2, 1.0, 0.5])
     assert timing.ratio == pytest.approx(0.9)  # ratios 0.9, 1.0, 1.2, 0.1, 0.5

@@ -43,6 +43,7 @@ ACTIVATION_TYPES = {"f32": (GGML_TYPE_F32, 4), "f16": (GGML_TYPE_F16, 2), "bf16"
 GGML_TYPE_COUNT = 43  # ggml.h's enum ggml_type
 GGML_MAX_N_THREADS = 512  # ggml.h
 GGML_STATUS_SUCCESS = 0
+TENSOR_ALIGNMENT = 32  # ggml-backend's: a buffer made from a pointer must start on it (or ggml aborts)
 
 
 # ---- structs (ggml.h / ggml-cpu.h) ------------------------------------------------------------
@@ -141,6 +142,10 @@ class _Ggml:
             "ggml_blck_size": (I64, [T]),
             "ggml_type_name": (ctypes.c_char_p, [T]),
             "ggml_tensor_overhead": (S, []),
+            "ggml_set_no_alloc": (None, [P, ctypes.c_bool]),
+            "ggml_backend_cpu_buffer_from_ptr": (P, [P, S]),
+            "ggml_backend_tensor_alloc": (I, [P, P, P]),
+            "ggml_backend_buffer_free": (None, [P]),
             "ggml_graph_overhead": (S, []),
             "ggml_quantize_chunk": (S, [T, P, P, I64, I64, I64, P]),
             "ggml_quantize_requires_imatrix": (ctypes.c_bool, [T]),
@@ -277,6 +282,7 @@ class _OneOpGraph:
 
     def __init__(self, data_bytes: int, n_tensors: int, n_threads: int):
         g = self._g = _ggml()
+        self._borrowed = []  # (ggml buffer, array) of tensors placed on memory not the context's
         self.n_threads = max(1, int(n_threads))
         # every tensor's data is padded to GGML_MEM_ALIGN (16): a few KiB of slack covers it
         size = data_bytes + n_tensors * (g.ggml_tensor_overhead() + 64) + g.ggml_graph_overhead() + (1 << 16)
@@ -309,6 +315,18 @@ class _OneOpGraph:
     @staticmethod
     def _copy_in(dst_ptr: int, src: np.ndarray) -> None:
         ctypes.memmove(dst_ptr, _ptr(src), src.nbytes)
+
+    def _place(self, tensor, array: np.ndarray) -> None:
+        """Make `tensor` (created without memory) read `array`'s memory in place; the graph keeps
+        `array` alive until it is closed."""
+        g = self._g
+        if _ptr(array) % TENSOR_ALIGNMENT:
+            raise ValueError(f"ggml_ctypes: borrowed memory must be {TENSOR_ALIGNMENT}-byte aligned "
+                             f"(a torch tensor's is); got an address {_ptr(array) % TENSOR_ALIGNMENT} bytes past it")
+        buffer = g.ggml_backend_cpu_buffer_from_ptr(_ptr(array), array.nbytes)
+        if not buffer or g.ggml_backend_tensor_alloc(buffer, tensor, _ptr(array)) != GGML_STATUS_SUCCESS:
+            raise RuntimeError("ggml_ctypes: could not place a tensor on borrowed memory")
+        self._borrowed.append((buffer, array))
 
     def _new(self, type_id: int, *ne: int):
         """A tensor of this context, its dims in ggml's order (fastest first)."""
@@ -351,6 +369,9 @@ class _OneOpGraph:
         if self.ctx:
             g.ggml_free(self.ctx)
             self.ctx = None
+        for buffer, _ in self._borrowed:
+            g.ggml_backend_buffer_free(buffer)  # a from_ptr buffer does not free the memory it wraps
+        self._borrowed = []
 
     def __del__(self):
         try:
@@ -379,10 +400,13 @@ class MulMat(_OneOpGraph):
     """ggml's `ggml_mul_mat(W, x)` on a packed weight: `x (m, cols) -> x @ W.T (m, N)` float32.
 
     blocks: uint8 `(N, row_bytes)` in `type_id`'s format. x is float32 (ggml quantizes it to the
-    type's vec_dot_type inside the op, exactly as llama.cpp's CPU backend does).
+    type's vec_dot_type inside the op, exactly as llama.cpp's CPU backend does). The weight is copied
+    into the graph's own memory, or with `borrow=True` read where `blocks` lies (a C-contiguous uint8
+    array or CPU tensor, kept alive by the graph), so that a benchmark times ggml's op and another
+    implementation on the very same pages.
     """
 
-    def __init__(self, blocks, type_id: int, cols: int, m: int, n_threads: int = 1):
+    def __init__(self, blocks, type_id: int, cols: int, m: int, n_threads: int = 1, *, borrow: bool = False):
         t = _check_type(type_id)
         b = _as_u8(blocks, "blocks")
         rb = row_size(t, int(cols))
@@ -391,13 +415,18 @@ class MulMat(_OneOpGraph):
         self.type_id, self.cols, self.m, self.n = t, int(cols), int(m), int(b.shape[0])
         if self.m < 1 or self.n < 1:
             raise ValueError("ggml_ctypes: m and N must be >= 1")
-        data = b.nbytes + 4 * self.cols * self.m + 4 * self.n * self.m
+        data = (0 if borrow else b.nbytes) + 4 * self.cols * self.m + 4 * self.n * self.m
         super().__init__(data, 3, n_threads)
         g = self._g
+        g.ggml_set_no_alloc(self.ctx, borrow)
         self.w = g.ggml_new_tensor_2d(self.ctx, t, self.cols, self.n)
+        g.ggml_set_no_alloc(self.ctx, False)
         self.x = g.ggml_new_tensor_2d(self.ctx, GGML_TYPE_F32, self.cols, self.m)
         assert g.ggml_nbytes(self.w) == b.nbytes
-        self._copy_in(self._data(self.w), b)
+        if borrow:
+            self._place(self.w, b)
+        else:
+            self._copy_in(self._data(self.w), b)
         ctypes.memset(self._data(self.x), 0, 4 * self.cols * self.m)
         self._finish(g.ggml_mul_mat(self.ctx, self.w, self.x))  # {N, m}
 
