@@ -30,7 +30,7 @@ IMPLEMENTATIONS = {
                              "Layer": {"ours", "transformers"}},
     "ggml-norm": {"RMSNormZeroCentered": {"ours", "ggml", "layer", "transformers", "reference"},
                   "RMSNormGated": {"ours", "ggml"}, "L2Norm": {"ours", "ggml"}},
-    "ggml-quantization": {"MulMatVec": {"ours", "ggml", "tf_f32", "tf_bf16"},
+    "ggml-quantization": {"MulMatVec": {"ours", "ggml", "huge_pages", "tf_f32", "tf_bf16"},
                           "MulMat": {"ours", "exact", "ggml", "tf_f32", "tf_bf16", "tf_unpack"}, "MulMatGroup": {"ours"}},
     "topk": {"SoftmaxTopK": {"ours", "ggml", "eager", "reference"}, "Router": {"ours", "transformers"}},
 }

@@ -72,6 +72,8 @@ def test_packed_load_holds_no_dense_copy():
     assert res["dense"] <= res["float_bytes"] + mib, res  # float parameters: only the file's F32 ones
     assert res["grew"] < res["file"] + 128 * mib, res
     # transformers copies each tensor's blocks out of the memory-mapped file; enable() drops the
-    # mapped pages after each copy (without it the peak held the file twice: +709 MiB). Measured:
-    # +396 MiB after the load, +420 MiB at the peak; a float32 copy of the weights would be 3.4 GiB
+    # mapped pages after each copy (without it the peak held the file twice: +709 MiB). Measured
+    # 2026-12-04: +346-348 MiB after the load, +480-484 MiB at the peak (+336-341 / +411-426 with
+    # huge_pages=False: the tensors the loader converts are held twice for a moment on huge pages); a
+    # float32 copy of the weights would be 3.4 GiB
     assert res["peak_grew"] < res["file"] + 256 * mib, res

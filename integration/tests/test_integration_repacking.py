@@ -18,7 +18,7 @@ import torch
 from ggml_kernels_integration import repacking
 from torch import nn
 
-from tools.testing.kernel_testing import fresh_process, load_kernel
+from tools.testing.kernel_testing import fresh_result, load_kernel
 
 K = 256
 
@@ -153,9 +153,7 @@ print("RESULT" + json.dumps(res))
 
 @pytest.mark.slow
 def test_whole_model_repacked_equals_plain():
-    proc = fresh_process(CODE)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
+    res = fresh_result(CODE)
     assert res["repacked"] > 0
     for n in (1, 4, 12):
         assert res[f"kl_{n}"] < 1e-4 and res[f"top1_{n}"], json.dumps(res)

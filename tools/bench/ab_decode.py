@@ -9,6 +9,7 @@ off, then on, and prints the median prefill tokens/s and decode ms per token of 
     python -m tools.bench.ab_decode --gguf qwen35-0.8b.Q4_K_M.gguf --feature kv-cache --prompt-tokens 1024
     python -m tools.bench.ab_decode --gguf SmolLM2-135M-Instruct.Q4_1.gguf --feature dense-prefill --prompt-tokens 512
     python -m tools.bench.ab_decode --gguf qwen35-0.8b.Q4_K_M.gguf --feature repack-weights --prompt-tokens 4
+    python -m tools.bench.ab_decode --gguf qwen35-0.8b.Q4_K_M.gguf --feature huge-pages
 
 Features:
     kv-cache  ggml_kernels_integration.kv_cache (in-place growing cache) vs transformers' torch.cat
@@ -33,6 +34,9 @@ Features:
     repack-weights
               ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
               MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
+    huge-pages
+              the packed weights on transparent huge pages (`enable(huge_pages=True)`, the default:
+              ggml-quantization's `huge_pages`) vs copies of them in torch's memory (4 KiB pages)
 """
 
 from __future__ import annotations
@@ -132,6 +136,26 @@ def _switch_repack_weights(model):
     return use
 
 
+def _switch_huge_pages(model):
+    import ggml_kernels_integration as gk
+    import torch
+
+    params = gk.packed_parameters(model)
+    placed = [p.data for p in params]  # where enable() put them
+    plain = [t.clone() for t in placed]  # torch's allocator: 4 KiB pages, unless the system's THP is "always"
+    huge = sum(int(line.split()[1]) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()
+               if line.startswith("AnonHugePages:")) / 1024
+    print(f"packed weights {sum(t.nbytes for t in placed) / 2**20:.0f} MiB; the process's anonymous memory on "
+          f"huge pages {huge:.0f} MiB")
+
+    def use(on: bool) -> None:
+        with torch.no_grad():
+            for p, data in zip(params, placed if on else plain, strict=True):
+                p.data = data
+
+    return use
+
+
 def _switch_compiled_decode(model, positions: int):
     """`use(on)` returns the runner of the round: the static, compiled one when on (compiled here,
     before any round: the first step of each shape compiles)."""
@@ -184,7 +208,8 @@ def _switch_compile_cpp_wrapper(model, positions: int):
 
 
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
-            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights, "compiled-decode": _switch_compiled_decode,
+            "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights,
+            "huge-pages": _switch_huge_pages, "compiled-decode": _switch_compiled_decode,
             "compile-guards": _switch_compile_guards, "compile-cpp-wrapper": _switch_compile_cpp_wrapper}
 
 

@@ -98,6 +98,20 @@ def fresh_process(code: str, env: dict | None = None):
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=600)
 
 
+RESULT_MARK = "RESULT"
+
+
+def fresh_result(code: str, env: dict | None = None) -> dict:
+    """`fresh_process(code, env)`, which must exit 0 and print one line `RESULT<json>`: that JSON."""
+    import json
+
+    proc = fresh_process(code, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next((line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)), None)
+    assert line is not None, f"no {RESULT_MARK} line in the output: {proc.stdout[-2000:]}"
+    return json.loads(line[len(RESULT_MARK):])
+
+
 def run_fresh(repo_id: str, body: str, *, via: str = "get_kernel", level: str | None = None) -> dict:
     """Loads `repo_id`'s build in a new interpreter as `k` the way users do, runs `body` (which sets
     `res` to something JSON can hold) and returns `res`.

@@ -22,6 +22,9 @@ class times one implementation of the same workloads:
                    bfloat16 for a model loaded in it)
   MulMat_tf_unpack what transformers runs for M > 8 with the kernel installed: GgufLinear dequantizes
                    the packed weight with its own torch code on every call, then multiplies
+  MulMatVec_huge_pages
+                   MulMatVec on the weight copied to transparent huge pages (`huge_pages.place`, as
+                   the integration loads GGUF weights); MulMatVec reads torch's 4 KiB pages
   MulMatGroup      a layer's sibling projections in one mul_mat_group call
   MulMatRepacked   mul_mat on the weight in ggml-cpu's repacked layout (`repack`) at 1-64 rows, the
                    types this CPU repacks (Q4_0, Q4_K here); compare with MulMatVec / MulMat
@@ -200,6 +203,17 @@ class MulMat_exact(_PackedProduct, Benchmark):
         self.out = self.kernel.mul_mat(self._next(), self.x, self.type, self.n, exact=True)
 
 
+class MulMatVec_huge_pages(_PackedProduct, Benchmark):
+    """Decode on the packed weight copied to transparent huge pages (`huge_pages.place`, as the
+    integration loads GGUF weights) instead of torch's 4 KiB pages: against MulMatVec."""
+
+    def _operand(self, weight: torch.Tensor):
+        return self.kernel.huge_pages.place([weight])[0]
+
+    def _run(self) -> None:
+        self.out = self.kernel.mul_mat_vec(self._next(), self.x, self.type, self.n)
+
+
 class MulMatRepacked(_PackedProduct, Benchmark):
     """Short prompts: mul_mat on the repacked layout (ggml's gemv, then gemm from 4 rows, then the plain
     kernels on unpacked slices from 48)."""
@@ -298,7 +312,7 @@ class _Ggml(_PackedProduct):
         pass
 
 
-MATVEC_CLASSES = [MulMatVec, MulMatVec_tf_f32, MulMatVec_tf_bf16]
+MATVEC_CLASSES = [MulMatVec, MulMatVec_huge_pages, MulMatVec_tf_f32, MulMatVec_tf_bf16]
 MATMAT_CLASSES = [MulMat, MulMat_exact, MulMat_tf_f32, MulMat_tf_bf16, MulMat_tf_unpack]
 if ggml_ctypes is not None and ggml_ctypes.available():
 

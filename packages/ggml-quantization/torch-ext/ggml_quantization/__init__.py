@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, dense_prefill, layers, reference
+from . import _checks, dense_prefill, huge_pages, layers, reference
 from ._ggml_runtime import BACKEND, EMULATED_METAL, check_size, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
@@ -39,6 +39,7 @@ __all__ = [
     "dense_prefill",
     "dequantize",
     "get_rows",
+    "huge_pages",
     "info",
     "layers",
     "mul_mat",
