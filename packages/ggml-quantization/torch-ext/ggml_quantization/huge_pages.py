@@ -62,8 +62,10 @@ class _Mapping:
     __slots__ = ("memory", "whole", "first", "start", "end", "written")
 
     def __init__(self, size: int):
-        # room to start on a huge page: the kernel places a mapping on a page, not a huge page
-        self.memory = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # whole huge pages, and one more to start on one: the kernel may place a mapping on any page
+        # boundary, and a huge page needs a 2 MiB-aligned range inside the mapping
+        length = _aligned(size, HUGE_PAGE_BYTES) + HUGE_PAGE_BYTES
+        self.memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.memory.madvise(mmap.MADV_HUGEPAGE)
         self.whole = torch.frombuffer(self.memory, dtype=torch.uint8)  # keeps the mapping alive
         self.first = self.whole.data_ptr()
