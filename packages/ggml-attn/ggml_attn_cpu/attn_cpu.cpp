@@ -178,6 +178,25 @@ class AttentionCall {
   at::Tensor out_;
 };
 
+// How many leading keys a single query's boolean mask shows, where it shows exactly those (true for
+// keys [0, n), false after, 0 < n): a decode step on a static cache, whose mask hides the positions
+// not written yet. 0 for anything else (another dtype or shape, a hole, nothing visible), which the
+// general path validates and masks.
+int64_t visible_prefix(const std::optional<at::Tensor>& mask, int64_t sq, int64_t skv) {
+  if (sq != 1 || !mask.has_value() || !mask->defined()) return 0;
+  const at::Tensor& m = *mask;
+  if (m.scalar_type() != at::kBool || !m.device().is_cpu() || m.dim() < 2 || m.dim() > 4 ||
+      m.size(-1) != skv || m.numel() != skv)
+    return 0;
+  const bool* p = m.data_ptr<bool>();
+  const int64_t step = m.stride(-1);
+  int64_t n = 0;
+  while (n < skv && p[n * step]) ++n;
+  for (int64_t j = n; j < skv; ++j)
+    if (p[j * step]) return 0;
+  return n;
+}
+
 }  // namespace
 
 at::Tensor flash_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -185,8 +204,14 @@ at::Tensor flash_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(q, k, v, scale, softcap);
   at::Tensor sinks32 = float32_sinks(sinks, q.size(1));
+  // A mask showing a prefix of the keys: those keys alone, unmasked. The same sums (ggml skips
+  // masked keys), without an f16 mask per call, and the KV heads can split over the threads.
+  const int64_t seen = visible_prefix(mask, q.size(2), k.size(2));
   const at::Tensor out =
-      AttentionCall(q, k, v, mask, causal, scale, softcap, std::move(sinks32)).run();
+      seen > 0 ? AttentionCall(q, k.narrow(2, 0, seen), v.narrow(2, 0, seen), std::nullopt, causal,
+                               scale, softcap, std::move(sinks32))
+                     .run()
+               : AttentionCall(q, k, v, mask, causal, scale, softcap, std::move(sinks32)).run();
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 

@@ -224,6 +224,27 @@ def test_decode_heads_split_over_threads(ga, hq, hkv, skv, d):
     assert rel_err(two[1], ga.reference.flash_attn(q, k, v, sinks=sinks)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("skv, seen, d", [(256, 100, 64), (256, 256, 64), (1024, 600, 128), (64, 1, 256)])
+@pytest.mark.parametrize("form", ["(B, 1, 1, Skv)", "(1, Skv)", "strided"])
+def test_decode_on_a_static_cache_attends_the_visible_prefix(ga, skv, seen, d, form):
+    """A decode step on a static cache: the boolean mask shows the `seen` positions written so far.
+    The kernel attends those keys alone, unmasked: bit for bit the call on the cache's first `seen`
+    positions without a mask (what a growing cache gives), and right against the reference with the
+    mask. A mask with a hole, or one per batch entry, takes the general masked path."""
+    q, k, v = qkv(1, 8, 2, 1, skv, d, seed=skv + seen)
+    visible = torch.arange(skv) < seen
+    mask = {"(B, 1, 1, Skv)": visible.view(1, 1, 1, skv), "(1, Skv)": visible.view(1, skv),
+            "strided": torch.stack([visible, ~visible], -1)[:, 0].view(1, 1, 1, skv)}[form]
+    out = ga.flash_attn(q, k, v, mask=mask)
+    torch.testing.assert_close(out, ga.flash_attn(q, k[:, :, :seen], v[:, :, :seen]), rtol=0, atol=0)
+    assert rel_err(out, ga.reference.flash_attn(q, k, v, mask=mask)) < TOL[torch.float32]
+    holed = visible.clone()
+    holed[0] = seen == 1  # the first position hidden (or, for one visible key, one more shown)
+    holed[-1] = True
+    assert rel_err(ga.flash_attn(q, k, v, mask=holed.view(1, skv)),
+                   ga.reference.flash_attn(q, k, v, mask=holed.view(1, skv))) < TOL[torch.float32]
+
+
 def test_kv_write_equals_narrow_copy(ga):
     """A cache append writes exactly what `buffer.narrow(-2, position, n).copy_(new)` writes, for
     strided new rows (a model's transposed k/v) and several rows at once, and nothing else."""
