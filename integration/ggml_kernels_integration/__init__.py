@@ -24,8 +24,8 @@
   `projection_groups`), and hands the memory the load freed back to the system;
 - with `enable(repack_weights=True)`, holds Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in ggml-cpu's
   repacked layout, as llama.cpp does, for its gemm kernels on short prompts (see `repacking`);
-- with `enable(compile_decode=True)`, runs `generate()`'s decode steps on the CPU as one compiled
-  graph over a static cache (`compiled_decode`);
+- runs `generate()`'s decode steps on the CPU as one compiled graph over a static cache
+  (`compiled_decode`) where the compile repays itself (long generations; `compile_decode=True`: always);
 - after each packed load, says once what runs on our kernels and what does not, and why (`report`),
   instead of kernels' warning per layer.
 
@@ -114,7 +114,7 @@ def is_enabled() -> bool:
 
 def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: bool = False,
            huge_pages: bool = True, allow_untested_versions: bool = False, report_loads: bool = True,
-           compile_decode: bool = compiled_decode.DEFAULT) -> None:
+           compile_decode: bool | str = compiled_decode.DEFAULT) -> None:
     """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
 
     backend: "cpu" (ggml-cpu, the default), "metal-emu" (upstream's Metal backend on the emulated
@@ -135,8 +135,10 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         mapping on transparent huge pages where Linux offers them (ggml-quantization's `huge_pages`):
         a decode step streams them 1.2-1.4x faster than from 4 KiB pages. The last call's value holds.
     compile_decode: on the CPU backend, `generate()` of a packed model decodes with a static cache and
-        its forward compiled by torch.compile, once per model and shape (see `compiled_decode` for
-        what it saves, what a compile costs, and why it is off by default). The last call's value holds.
+        its forward compiled by torch.compile, once per model and shape: True always, False never,
+        "auto" (the default) where the compile repays itself: a generate() asking for
+        `compiled_decode.AUTO_MIN_NEW_TOKENS` new tokens or more, and every later one of that model
+        (see `compiled_decode` for what it saves and what a compile costs). The last call's value holds.
     allow_untested_versions: run with transformers / kernels outside the tested range (`compat.TESTED`).
     report_loads: after each packed GGUF load, log (logger "ggml_kernels_integration", INFO, on
         stderr unless the application configured logging) what runs on our kernels.
@@ -157,7 +159,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
     _options["huge_pages"] = bool(huge_pages) and not on_metal
     if is_enabled():
         _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
-        compiled_decode.set_enabled(compile_decode and not on_metal)
+        compiled_decode.set_mode(False if on_metal else compile_decode)
         return
     if not allow_untested_versions:
         compat.check_versions()
@@ -173,7 +175,7 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         patches.restore()
         raise
     _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
-    compiled_decode.set_enabled(compile_decode and not on_metal)
+    compiled_decode.set_mode(False if on_metal else compile_decode)
     _active.update(patches=patches, backend=backend, builds=ours)
     kept_kernels.release()  # models loaded before a disable() run on the patched classes again
 
@@ -190,7 +192,7 @@ def disable() -> None:
         patches.restore()
         kept_kernels.keep()
     _dense_prefill_module.set_enabled(True)
-    compiled_decode.set_enabled(compiled_decode.DEFAULT)
+    compiled_decode.set_mode(compiled_decode.DEFAULT)
 
 
 def backend() -> str | None:
@@ -264,7 +266,7 @@ def _install(patches: PatchSet, ours: dict, report_loads: bool, backend: str) ->
     _check_files_before_transformers_reads_them(patches)
     _route_cpu_reads_through_kernels(patches, quant)
     projection_groups.patch_forward(patches, quant)
-    compiled_decode.install(patches)
+    compiled_decode.install(patches, quant)
     patches.on_restore(functools.partial(repacking.unpack_all, quant), "repacked weights back to the GGUF layout")
     steps = [functools.partial(_repack_if_asked, quant=quant), functools.partial(_finish_on_huge_pages, quant=quant),
              functools.partial(projection_groups.install, quant=quant, patches=patches),

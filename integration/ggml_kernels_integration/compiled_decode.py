@@ -11,6 +11,9 @@ torch code between our ops.
 With `enable(compile_decode=True)`, `generate()` of a model loaded packed, on the CPU, where the
 caller chose no cache, cache implementation, compile config or assistant of their own, runs with
 `cache_implementation="static"` and `COMPILE_CONFIG` (transformers still runs the prefill eagerly).
+The default, "auto", does so only where the compile pays for itself (`repays_a_compile`): a
+generate() asking for `AUTO_MIN_NEW_TOKENS` new tokens or more, and every generate() of a model that
+has compiled a step already.
 The graph is compiled once per model and shape (batch size, cache length), each model's graphs its
 own (`decode_step`: not shared through dynamo's per-function cache), and a full `enable()` after
 `disable()` compiles anew. dynamo's guards on the model's module attributes are left out
@@ -23,19 +26,27 @@ compile that fails (dynamo or inductor raises before the graph runs, so nothing 
 cache) falls back to the eager forward for that step and the model's later generations, with one
 warning; so does a model whose step needs a graph break (`fullgraph`).
 Inside a compiled step `projection_groups`' shared calls step aside (`torch.compiler.is_compiling()`:
-they keep outputs between calls), which changes no bit; `kv_cache` is not involved (a static cache).
+they keep outputs between calls) and `decode_graph` groups the same products on the graph, which
+changes no bit; `kv_cache` is not involved (a static cache).
 A static cache needed one fix to be exact, in ggml-attn's `flash_attn_forward`: a prefill into it
 comes without a mask, which transformers means as SDPA's top-left causal (the cache's empty
 positions unseen); ggml-attn read it bottom-right.
 
-Why it is off by default (measurements: integration/README.md, "Compiled decode steps"): on the
-2-core AMD EPYC it gains 4-35 % per decode token, less than the gap to llama.cpp; a compile costs
-34-94 s per model and shape with inductor's on-disk cache cold, 9-12 s warm, in every new process;
-and inductor's own float rounding (vectorized exp, sin, ...; bit-identical on the tiny test models)
-moves the 0.8B-shaped model's decode logits by ~1.5 % of their range, its 8-bit activation rounding
-turning last-bit differences into whole steps (top-1 agreement 97.9 % teacher-forced). Lighter
-backends are exact but gain nothing: `backend="eager"` (dynamo only) 1.05x, compiled in 10 s;
-`"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
+Numerics: inductor fuses the float32 torch code between our ops and rounds its own way (vectorized
+exp, sin, cos; its own reduction order): bit-identical on the tiny test models, while on the real
+ones the 8-bit activation rounding turns last-bit differences into whole steps. Against llama.cpp
+(teacher-forced on its greedy tokens, 47 decode steps) compiled steps are as close as eager ones:
+0.8B-shaped Q4_K_M mean KL 1.18e-3 against 1.20e-3 eager (top-1 0.979 / 0.957), SmolLM2 2.72e-3
+against 2.80e-3 (top-1 1.0 both), compiled and eager 0.9e-3 / 1.3e-3 apart. Making inductor leave every
+transcendental op to ATen (its `fallback_by_default`) did not make the steps bit-identical: its
+decompositions (SiLU into exp and a division, rope's cos before the concatenation) call other ATen
+kernels than the eager model does.
+
+Why "auto" and not always (measurements: integration/README.md, "Compiled decode steps"): a compile
+costs 8-12 s per model and shape with inductor's on-disk cache warm (dynamo's tracing is most of it,
+paid in every new process), 25-95 s cold, and a compiled step saves 1-3 ms, so it repays itself after
+thousands of tokens, not in a chat turn's few hundred. Lighter backends gain nothing: `backend="eager"`
+(dynamo only) 1.05x, `"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ import warnings
 
 import torch
 
-from . import compat
+from . import compat, decode_graph
 
 # generate()'s static cache and compile config, its compiled forward
 compat.needs(
@@ -61,7 +72,10 @@ compat.needs(
 
 
 LOGGER = logging.getLogger("ggml_kernels_integration")
-DEFAULT = False  # off: faster per token, but see the module docstring for the compile time and numerics
+DEFAULT = "auto"  # compiled where the generate() is long enough to repay the compile (module docstring)
+# "auto": a generate() compiles only if it asks for at least this many new tokens (over its batch), or
+# the model has compiled a step already; a compile costs 8-30 s and saves 1-3 ms a token (module docstring)
+AUTO_MIN_NEW_TOKENS = 4096
 # transformers' CompileConfig fields: one graph per shape (a decode step's shapes never change with a
 # static cache) and per step (fullgraph: no frame compiled apart, see `keep_guard`), inductor's
 # default mode ("reduce-overhead" means CUDA graphs, which a CPU has not)
@@ -70,7 +84,9 @@ RECORD_ATTR = "_ggml_kernels_compiled_decode"
 OURS_ATTR = "_ggml_kernels_decode"  # marks the CompileConfig of `compile_config()`
 # the shortest static cache a compiled generate() gets (positions; longer ones are powers of two)
 MIN_CACHE_POSITIONS = 256
-_state = {"on": DEFAULT, "installs": 0}  # installs: full enable()s so far (a step compiled under others is not reused)
+# mode: enable()'s compile_decode; installs: full enable()s so far (a step compiled under others is not
+# reused); quant: the ggml-quantization kernel of the enable() in force (`decode_graph`)
+_state = {"mode": DEFAULT, "installs": 0, "quant": None}
 _sizing = contextvars.ContextVar("ggml_kernels_compiled_generate", default=False)  # in a generate() that `applies`
 # what the caller may have chosen: any of these in generate()'s arguments or the model's generation
 # config leaves the cache and compilation to them
@@ -78,19 +94,19 @@ _CALLER_CHOICES = ("past_key_values", "cache_implementation", "compile_config", 
                    "prompt_lookup_num_tokens")
 
 
-def check_option(value) -> bool:
-    """`enable()`'s `compile_decode` value as a bool; anything but True / False is a clear error."""
-    if value is True or value is False:
+def check_option(value) -> bool | str:
+    """`enable()`'s `compile_decode` value: True, False or "auto"; anything else is a clear error."""
+    if value is True or value is False or value == "auto":
         return value
-    raise ValueError(f"compile_decode must be True or False, got {value!r}")
+    raise ValueError(f'compile_decode must be True, False or "auto", got {value!r}')
 
 
-def set_enabled(on: bool) -> None:
-    _state["on"] = bool(on)
+def set_mode(mode: bool | str) -> None:
+    _state["mode"] = check_option(mode)
 
 
-def is_enabled() -> bool:
-    return _state["on"]
+def mode() -> bool | str:
+    return _state["mode"]
 
 
 class Record:
@@ -129,10 +145,11 @@ def _is_packed_cpu_model(model) -> bool:
     return model.device.type == "cpu" and any(type(m) is GgufLinear for m in model.modules())
 
 
-def applies(model, kwargs: dict) -> bool:
-    """Whether `model.generate(**kwargs)` should decode compiled: switched on, a packed CPU model
-    that has not failed to compile, and nothing the caller chose about caches or compiling."""
-    if not _state["on"]:
+def applies(model, args: tuple, kwargs: dict) -> bool:
+    """Whether `model.generate(*args, **kwargs)` should decode compiled: switched on (under "auto":
+    `repays_a_compile`), a packed CPU model that has not failed to compile, and nothing the caller
+    chose about caches or compiling."""
+    if _state["mode"] is False:
         return False
     rec = record(model)
     if rec is not None and rec.failure:
@@ -142,7 +159,24 @@ def applies(model, kwargs: dict) -> bool:
         return False
     if config is not None and (config.cache_implementation is not None or config.compile_config is not None):
         return False
+    if _state["mode"] == "auto" and not repays_a_compile(rec, config, args, kwargs):
+        return False
     return _is_packed_cpu_model(model)
+
+
+def repays_a_compile(rec: Record | None, config, args: tuple, kwargs: dict) -> bool:
+    """Under "auto": the model compiled a decode step already (the cost is paid), or this generate()
+    asks for at least `AUTO_MIN_NEW_TOKENS` new tokens over its batch."""
+    if rec is not None and rec.compiles:
+        return True
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return False
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is None:
+        length = kwargs.get("max_length", getattr(config, "max_length", None))
+        new = None if length is None else length - ids.shape[1]
+    return new is not None and new * ids.shape[0] >= AUTO_MIN_NEW_TOKENS
 
 
 def cache_positions(needed: int) -> int:
@@ -194,7 +228,9 @@ def decode_step(model):
     rec = _record_of(model)
     if rec.step is None or rec.installs != _state["installs"]:
         rec.compiles.clear()
-        rec.step, rec.installs = guarded(model, compile_model(model, COMPILE_CONFIG), model.__call__), _state["installs"]
+        inductor = decode_graph.inductor_options(_state["quant"]) if _state["quant"] is not None else None
+        compiled = compile_model(model, COMPILE_CONFIG, inductor=inductor)
+        rec.step, rec.installs = guarded(model, compiled, model.__call__), _state["installs"]
     return rec.step
 
 
@@ -259,17 +295,19 @@ def compiled_call(model):
     return model.get_compiled_call(compile_config())
 
 
-def install(patches) -> None:
+def install(patches, quant) -> None:
     """Through `patches` (a `PatchSet`): `generate()` takes a static cache of `cache_positions` and
     `compile_config()` where `applies`; transformers' compiled call of a packed CPU model is
-    `decode_step` for that config, and `guarded` for a caller's own."""
+    `decode_step` for that config (its graph rewritten by `decode_graph` for `quant`, the
+    ggml-quantization kernel), and `guarded` for a caller's own."""
     from transformers import GenerationMixin, PreTrainedModel
 
     _state["installs"] += 1
+    _state["quant"] = quant
 
     def make_generate(original):
         def generate(self, *args, **kwargs):
-            if not applies(self, kwargs):
+            if not applies(self, args, kwargs):
                 return original(self, *args, **kwargs)
             kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
             token = _sizing.set(True)

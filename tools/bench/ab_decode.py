@@ -31,6 +31,9 @@ Features:
               attributes left out) vs the same graph with all of dynamo's guards
     compile-cpp-wrapper
               compiled decode steps with inductor's Python wrapper (ours) vs its C++ wrapper
+    compile-graph-pass
+              compiled decode steps with `decode_graph.inductor_options` (sibling products as one
+              mul_mat_group call, no size assert per op output) vs inductor's defaults
     repack-weights
               ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
               MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
@@ -207,10 +210,16 @@ def _switch_compile_cpp_wrapper(model, positions: int):
     return _against_compiled(model, positions, inductor={"cpp_wrapper": True})
 
 
+def _switch_compile_graph_pass(model, positions: int):
+    """Compiled steps with `decode_graph`'s pass and options (on) against inductor's defaults (off)."""
+    return _against_compiled(model, positions, inductor={})
+
+
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
             "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights,
             "huge-pages": _switch_huge_pages, "compiled-decode": _switch_compiled_decode,
-            "compile-guards": _switch_compile_guards, "compile-cpp-wrapper": _switch_compile_cpp_wrapper}
+            "compile-guards": _switch_compile_guards, "compile-cpp-wrapper": _switch_compile_cpp_wrapper,
+            "compile-graph-pass": _switch_compile_graph_pass}
 
 
 def main() -> None:
