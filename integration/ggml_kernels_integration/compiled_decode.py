@@ -228,10 +228,14 @@ def decode_step(model):
     rec = _record_of(model)
     if rec.step is None or rec.installs != _state["installs"]:
         rec.compiles.clear()
-        inductor = decode_graph.inductor_options(_state["quant"]) if _state["quant"] is not None else None
-        compiled = compile_model(model, COMPILE_CONFIG, inductor=inductor)
+        compiled = compile_model(model, COMPILE_CONFIG, inductor=inductor_options())
         rec.step, rec.installs = guarded(model, compiled, model.__call__), _state["installs"]
     return rec.step
+
+
+def inductor_options() -> dict | None:
+    """inductor's options for a decode step under the enable() in force (`decode_graph`)."""
+    return decode_graph.inductor_options(_state["quant"]) if _state["quant"] is not None else None
 
 
 def reset(model) -> None:

@@ -178,13 +178,14 @@ def _switch_compiled_decode(model, positions: int):
 
 def _against_compiled(model, positions: int, **other):
     """`use(on)`: compiled steps as `compiled_decode` makes them (on) against the same model compiled by
-    `compiled_decode.compile_model(model, COMPILE_CONFIG, **other)` (off): two isolated compiles,
-    before any round."""
+    `compiled_decode.compile_model` with `other` in place of the same arguments (off): two isolated
+    compiles, before any round."""
     import torch
     from ggml_kernels_integration import bench, compiled_decode
 
     ours, theirs = bench.StaticCompiledRunner(model, positions), bench.StaticCompiledRunner(model, positions)
-    theirs.step = compiled_decode.guarded(model, compiled_decode.compile_model(model, compiled_decode.COMPILE_CONFIG, **other),
+    arguments = {"inductor": compiled_decode.inductor_options(), **other}
+    theirs.step = compiled_decode.guarded(model, compiled_decode.compile_model(model, compiled_decode.COMPILE_CONFIG, **arguments),
                                           model.__call__)
     with torch.inference_mode():
         for name, runner in (("on", ours), ("off", theirs)):
