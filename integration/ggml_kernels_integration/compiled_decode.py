@@ -43,9 +43,10 @@ decompositions (SiLU into exp and a division, rope's cos before the concatenatio
 kernels than the eager model does.
 
 Why "auto" and not always (measurements: integration/README.md, "Compiled decode steps"): a compile
-costs 8-12 s per model and shape with inductor's on-disk cache warm (dynamo's tracing is most of it,
-paid in every new process), 25-95 s cold, and a compiled step saves 1-3 ms, so it repays itself after
-thousands of tokens, not in a chat turn's few hundred. Lighter backends gain nothing: `backend="eager"`
+costs 7-8 s per model and shape with inductor's on-disk cache warm (dynamo's tracing is most of it,
+paid in every new process), 17-18 s for a graph inductor has not seen (34-94 s on busier days), and
+a compiled step saves 2.8-3.9 ms (SmolLM2, the 0.8B shape), so it repays itself after 1,800-6,500
+tokens, not in a chat turn's few hundred. Lighter backends gain nothing: `backend="eager"`
 (dynamo only) 1.05x, `"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
 """
 
@@ -74,7 +75,7 @@ compat.needs(
 LOGGER = logging.getLogger("ggml_kernels_integration")
 DEFAULT = "auto"  # compiled where the generate() is long enough to repay the compile (module docstring)
 # "auto": a generate() compiles only if it asks for at least this many new tokens (over its batch), or
-# the model has compiled a step already; a compile costs 8-30 s and saves 1-3 ms a token (module docstring)
+# the model has compiled a step already; a compile costs 7-18 s and saves 2.8-3.9 ms a token (module docstring)
 AUTO_MIN_NEW_TOKENS = 4096
 # transformers' CompileConfig fields: one graph per shape (a decode step's shapes never change with a
 # static cache) and per step (fullgraph: no frame compiled apart, see `keep_guard`), inductor's
