@@ -229,14 +229,18 @@ def test_decode_heads_split_over_threads(ga, hq, hkv, skv, d):
 def test_decode_on_a_static_cache_attends_the_visible_prefix(ga, skv, seen, d, form):
     """A decode step on a static cache: the boolean mask shows the `seen` positions written so far.
     The kernel attends those keys alone, unmasked: bit for bit the call on the cache's first `seen`
-    positions without a mask (what a growing cache gives), and right against the reference with the
-    mask. A mask with a hole, or one per batch entry, takes the general masked path."""
+    positions without a mask (what a growing cache gives), within float32 summation order of ggml's
+    masked path over the whole cache (the same mask as an additive float one, which never takes the
+    shortcut), and right against the reference with the mask. A mask with a hole takes the general
+    masked path."""
     q, k, v = qkv(1, 8, 2, 1, skv, d, seed=skv + seen)
     visible = torch.arange(skv) < seen
     mask = {"(B, 1, 1, Skv)": visible.view(1, 1, 1, skv), "(1, Skv)": visible.view(1, skv),
             "strided": torch.stack([visible, ~visible], -1)[:, 0].view(1, 1, 1, skv)}[form]
     out = ga.flash_attn(q, k, v, mask=mask)
     torch.testing.assert_close(out, ga.flash_attn(q, k[:, :, :seen], v[:, :, :seen]), rtol=0, atol=0)
+    additive = torch.zeros(1, 1, 1, skv).masked_fill(~visible, float("-inf"))
+    assert rel_err(out, ga.flash_attn(q, k, v, mask=additive)) < 1e-6  # split-KV may reorder the sums
     assert rel_err(out, ga.reference.flash_attn(q, k, v, mask=mask)) < TOL[torch.float32]
     holed = visible.clone()
     holed[0] = seen == 1  # the first position hidden (or, for one visible key, one more shown)
