@@ -422,7 +422,7 @@ struct FewRowsProduct {
   at::Tensor out2;
 };
 
-// Thread t's share of the products `ws` over m activation rows: one graph holding the thread's
+// Thread t's share of the products `ws` over a few activation rows: one graph holding the thread's
 // rows of every weight, on ggml's mul_mat. Each weight's rows are divided equally between the
 // threads (at whole groups of kRepackRows for repacked weights, multiples of 16 rows for plain
 // ones): the types differ in cost per byte and per value, so that shares of the weights laid end
@@ -535,17 +535,20 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   // kPlainLayoutRows rows), or mul_mat on its own. The first three run together: the activations
   // quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then one parallel region over
   // all their rows, each thread taking its share of every kind.
+  // a plain quantized weight, whose dot products read x quantized (once per type, shared)
+  auto is_plain_quantized = [&](const Storage& st) {
+    return !st.repacked && !is_float_type(st.type) &&
+           ggml().ggml_get_type_traits_cpu(st.type)->vec_dot_type != GGML_TYPE_F32;
+  };
   auto is_direct = [&](const Storage& st) {
-    const auto* traits = ggml().ggml_get_type_traits_cpu(st.type);
-    return m >= 1 && m <= kDirectDotRows && !st.repacked && !is_float_type(st.type) &&
-           traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1;
+    return m >= 1 && m <= kDirectDotRows && is_plain_quantized(st) &&
+           ggml().ggml_get_type_traits_cpu(st.type)->nrows == 1;
   };
   auto is_few_repacked = [&](const Storage& st) {
     return st.repacked && m >= 1 && m < kPlainLayoutRows;
   };
   auto is_few_plain = [&](const Storage& st) {
-    return !st.repacked && m >= 2 && m <= kGroupShareRows && !is_float_type(st.type) &&
-           ggml().ggml_get_type_traits_cpu(st.type)->vec_dot_type != GGML_TYPE_F32;
+    return m >= 2 && m <= kGroupShareRows && is_plain_quantized(st);
   };
   std::vector<at::Tensor> outs(n);
   std::vector<DotRows> dots;
