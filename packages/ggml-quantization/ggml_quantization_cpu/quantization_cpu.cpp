@@ -112,6 +112,11 @@ bool is_float_type(ggml_type t) {
   return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
 }
 
+// A quantized type whose dot products read the activations quantized (activations_for).
+bool reads_quantized_x(ggml_type t) {
+  return !is_float_type(t) && ggml().ggml_get_type_traits_cpu(t)->vec_dot_type != GGML_TYPE_F32;
+}
+
 // How a product of a plain (not repacked) weight runs, by activation rows m. The same rule on every
 // x86 CPU: each path reads the weight in ggml-cpu's own order with ggml-cpu's own dot products,
 // so it is at least as fast as ggml's graph wherever ggml's graph is fast, with nothing tuned to
@@ -122,7 +127,9 @@ bool is_float_type(ggml_type t) {
 //         no graph (direct_dot_rows)            chunks, a shared counter;
 //                                               < 4 chunks per thread: one run
 //                                               each; >= 64 KiB per thread
-//   2-    ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
+//   2-8   ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
+//         graph per thread (share_products)     KiB of weight x m per thread
+//   9-    ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
 //         graph per slice (mul_mat_slices)      (min_rows_per_task)
 //
 // The one-row path once requested each weight row ~4 KB ahead with prefetchnta and gave each thread
@@ -404,9 +411,15 @@ void mul_mat_plain(const at::Tensor& blocks, ggml_type type, int64_t k, const at
                  [&](int64_t n0, int64_t n1) { return blocks.narrow(0, n0, n1 - n0); });
 }
 
-// Activation rows up to which a group's plain weights run together (share_products) rather than
-// one weight after another (mul_mat): a decode step's batch or a short prompt, transformers' packed
-// linears taking at most its MAX_GEMV_ROWS (8) such rows.
+// Activation rows up to which plain quantized weights run on share_products, a group's together
+// (one parallel region, rather than one weight after another): a decode step's batch or a short
+// prompt, transformers' packed linears taking at most its MAX_GEMV_ROWS (8) such rows. A single
+// weight too: its threads by weight bytes x m (threads_for) split a short prompt's small products
+// that min_rows_per_task's slices left to one thread. 2 threads, alternating with ggml's own op
+// (one process, 9 rounds, weights cycled past the cache), ggml / ours: SmolLM2's 576x576 Q4_1 at 2
+// rows 0.53x -> 0.88x, 192x576 at 2 / 4 rows 0.51 / 0.52x -> 0.70 / 0.76x, 512x1024 Q4_K 0.90 ->
+// 1.00x; 9216x2560 and 2560x9216 Q4_K / Q6_K / Q8_0 at 2-8 rows unchanged (0.95-1.21x, both ways:
+// slices of equal rows, one per thread, either way).
 constexpr int64_t kGroupShareRows = 8;
 
 // One weight of a product over a few activation rows, computed in slices by share_products: its
@@ -450,6 +463,20 @@ void share_products(const std::vector<FewRowsProduct>& ws, int64_t k, int64_t t,
   g.compute_bound(results);
 }
 
+// Weight bytes the products `ws` over m activation rows read, a plain weight's counted once per row
+// (m times the dot products; a repacked weight's gemm reads each block once for all rows).
+int64_t weighed_bytes(const std::vector<FewRowsProduct>& ws, int64_t m) {
+  int64_t total = 0;
+  for (const auto& w : ws) total += w.blocks.size(0) * w.blocks.size(1) * (w.repacked ? 1 : m);
+  return total;
+}
+
+// The products `ws` over m activation rows in one parallel region (share_products).
+void few_rows_products(const std::vector<FewRowsProduct>& ws, int64_t k, int64_t m) {
+  const int64_t threads = threads_for(weighed_bytes(ws, m));
+  run_shares(threads, [&](int64_t t) { share_products(ws, k, t, threads); });
+}
+
 // Activation rows from which a repacked weight's product is faster on ggml's plain kernels (each
 // slice's rows unpacked first) than on its repacked gemm. Measured on 3584x1024 and 1024x3584 Q4_K
 // weights, 2 threads (AVX-512 CPU): the repacked gemm is 1.2-1.6x the plain kernels at 2-16 rows,
@@ -462,9 +489,7 @@ void mul_mat_repacked(const at::Tensor& blocks, ggml_type type, int64_t k, const
                       const at::Tensor& out2) {
   const int64_t m = xf2.size(0), n = blocks.size(0), rb = blocks.size(1);
   if (m < kPlainLayoutRows) {
-    const std::vector<FewRowsProduct> ws{{blocks, type, true, xf2, GGML_TYPE_F32, out2}};
-    const int64_t threads = threads_for(n * rb);
-    run_shares(threads, [&](int64_t t) { share_products(ws, k, t, threads); });
+    few_rows_products({{blocks, type, true, xf2, GGML_TYPE_F32, out2}}, k, m);
     return;
   }
   const at::Tensor xq = activations_for(xf2, type);
@@ -512,6 +537,10 @@ at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_i
     direct_dot_rows({dot_rows(blocks, type, xq, out)}, k);
     return out;
   }
+  if (m <= kGroupShareRows && reads_quantized_x(type)) {
+    few_rows_products({{blocks, type, false, xq, traits->vec_dot_type, out2}}, k, m);
+    return out;
+  }
   mul_mat_plain(blocks, type, k, xf.view({m, k}), xq, out2);
   return out;
 }
@@ -537,8 +566,7 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   // all their rows, each thread taking its share of every kind.
   // a plain quantized weight, whose dot products read x quantized (once per type, shared)
   auto is_plain_quantized = [&](const Storage& st) {
-    return !st.repacked && !is_float_type(st.type) &&
-           ggml().ggml_get_type_traits_cpu(st.type)->vec_dot_type != GGML_TYPE_F32;
+    return !st.repacked && reads_quantized_x(st.type);
   };
   auto is_direct = [&](const Storage& st) {
     return m >= 1 && m <= kDirectDotRows && is_plain_quantized(st) &&
@@ -580,11 +608,8 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
     }
   }
   if (!xf.defined()) return outs;
-  // the threads by bytes, a plain weight's counted once per activation row (m times the products)
   const int64_t k = x.size(-1), dot_total = total_bytes(dots);
-  int64_t weighed = dot_total;
-  for (const auto& w : few) weighed += w.blocks.size(0) * w.blocks.size(1) * (w.repacked ? 1 : m);
-  const int64_t threads = threads_for(weighed);
+  const int64_t threads = threads_for(dot_total + weighed_bytes(few, m));
   DotSplit split(dots, threads, dot_total);
   run_shares(threads, [&](int64_t t) {
     if (dot_total > 0) dot_share(dots, k, split, t);
