@@ -111,8 +111,37 @@ def test_chunks_give_the_same_product(gq, monkeypatch):
     blocks, _ = packed(gq, "Q4_1", n, k, seed=2)
     x = rows(64, k, seed=3)
     whole = gq.dense_prefill.matmul(blocks, x, 3, n)
-    monkeypatch.setattr(gq.dense_prefill, "CHUNK_BYTES", 2 * k * 300)  # 296 rows a chunk (whole 8-row groups)
+    monkeypatch.setattr(gq.dense_prefill, "CHUNK_BYTES", 2 * k * 300)  # chunks of 384, 384 and 232 rows
+    assert gq.dense_prefill.chunk_rows(n, k) == 384
     torch.testing.assert_close(gq.dense_prefill.matmul(blocks, x, 3, n), whole, rtol=0, atol=0)
+
+
+def test_chunk_rows_cut_equal_chunks_of_one_to_two_chunk_bytes(gq, monkeypatch):
+    dp = gq.dense_prefill
+    monkeypatch.setattr(dp, "CHUNK_BYTES", 1 << 20)
+    assert dp.chunk_rows(1536, 576) >= 1536  # 1.7 MiB of bfloat16: one chunk
+    assert dp.chunk_rows(100, 128) >= 100
+    for n, k, chunks in ((9216, 2560, 45), (3584, 1024, 7), (2560, 9216, 45), (151936, 1024, 296)):
+        rows = dp.chunk_rows(n, k)
+        assert rows % dp.CHUNK_ROWS_MULTIPLE == 0 and rows % 8 == 0  # whole groups of a repacked weight
+        assert rows >= -(-n // chunks) and (rows - dp.CHUNK_ROWS_MULTIPLE) * chunks < n, (n, k, rows)
+
+
+def test_l2_cache_bytes_reads_sysfs(gq, tmp_path):
+    dp = gq.dense_prefill
+    caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "2048K"), ("3", "Unified", "32M")]
+    for i, (level, kind, size) in enumerate(caches):
+        index = tmp_path / f"index{i}"
+        index.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (index / name).write_text(value + "\n")
+    assert dp.l2_cache_bytes(str(tmp_path)) == 2 << 20
+    (tmp_path / "index2" / "size").write_text("2M\n")
+    assert dp.l2_cache_bytes(str(tmp_path)) == 2 << 20
+    (tmp_path / "index2" / "size").write_text("big\n")
+    assert dp.l2_cache_bytes(str(tmp_path)) is None
+    assert dp.l2_cache_bytes(str(tmp_path / "missing")) is None
+    assert dp.CHUNK_BYTES == (dp.l2_cache_bytes() or dp.ASSUMED_L2_BYTES)
 
 
 def test_a_row_s_product_barely_depends_on_the_rows_beside_it(gq):
