@@ -63,9 +63,10 @@ core, 32 MiB L3) against the former chunks (4 MiB, at least 256 rows), one proce
     Q8_0  1536x576       2        0.49 / 0.48  0.75 / 0.76  2.67 / 2.71
 
 and 0.93-1.26x over the 48 (type, shape, threads, rows) cells of Q8_0 and Q4_1 on these four
-shapes, 1.00x or more in 39, 0.98x or more in 46; in runs when the machine was busy, the 4 MiB chunks lost up to 1.8x
-(Q8_0 9216x2560 at 64 rows, 2 threads: 24.5 against 13.8 ms). Only this CPU's 1 MiB L2 has been
-measured.
+shapes, 1.00x or more in 39, 0.98x or more in 46; in runs when the machine was busy, the 4 MiB
+chunks lost up to 1.8x (Q8_0 9216x2560 at 64 rows, 2 threads: 24.5 against 13.8 ms). A one-off
+script timed `matmul` with each rule's chunk rows; `kernels benchmark ./packages/ggml-quantization`
+times the path as it is. Only this CPU's 1 MiB L2 has been measured.
 
 What it guarantees: each output entry within bfloat16 rounding of the float32 product of the
 dequantized weight: x, W and the output are each rounded to bfloat16 (at most 2^-9 relative each),
@@ -128,7 +129,8 @@ def l2_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int
     units = {"K": 1 << 10, "M": 1 << 20}
     try:
         for index in sorted(Path(cache_dir).glob("index*")):
-            if (index / "level").read_text().strip() != "2" or (index / "type").read_text().strip() == "Instruction":
+            level, kind = ((index / name).read_text().strip() for name in ("level", "type"))
+            if level != "2" or kind == "Instruction":
                 continue
             size = (index / "size").read_text().strip()
             return int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
