@@ -127,10 +127,11 @@ bool reads_quantized_x(ggml_type t) {
 //         no graph (direct_dot_rows)            chunks, a shared counter;
 //                                               < 4 chunks per thread: one run
 //                                               each; >= 64 KiB per thread
-//   2-8   ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
+//   2-128 ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
 //         graph per thread (share_products)     KiB of weight x m per thread
-//   9-    ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
-//         graph per slice (mul_mat_slices)      (min_rows_per_task)
+//   129-  ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
+//         graph per slice (mul_mat_slices)      (min_rows_per_task), taken from
+//                                               a shared counter
 //
 // The one-row path once requested each weight row ~4 KB ahead with prefetchnta and gave each thread
 // one run of rows. On an Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 cores) that made a 9216x2560 Q4_K
@@ -412,15 +413,18 @@ void mul_mat_plain(const at::Tensor& blocks, ggml_type type, int64_t k, const at
 }
 
 // Activation rows up to which plain quantized weights run on share_products, a group's together
-// (one parallel region, rather than one weight after another): a decode step's batch or a short
-// prompt, transformers' packed linears taking at most its MAX_GEMV_ROWS (8) such rows. A single
-// weight too: its threads by weight bytes x m (threads_for) split a short prompt's small products
-// that min_rows_per_task's slices left to one thread. 2 threads, alternating with ggml's own op
-// (one process, 9 rounds, weights cycled past the cache), ggml / ours: SmolLM2's 576x576 Q4_1 at 2
-// rows 0.53x -> 0.88x, 192x576 at 2 / 4 rows 0.51 / 0.52x -> 0.70 / 0.76x, 512x1024 Q4_K 0.90 ->
-// 1.00x; 9216x2560 and 2560x9216 Q4_K / Q6_K / Q8_0 at 2-8 rows unchanged (0.95-1.21x, both ways:
-// slices of equal rows, one per thread, either way).
-constexpr int64_t kGroupShareRows = 8;
+// (one parallel region, rather than one weight after another): a decode step's batch or a prompt of
+// up to 128 tokens. A single weight too: its threads by weight bytes x m (threads_for), equal rows
+// each, one graph per thread. Above it mul_mat_slices' slices, taken from a shared counter, balance
+// a long prompt's minutes of work between threads. AMD EPYC (zen4), 2 threads, one process,
+// alternating: at 2-8 rows (against mul_mat_slices' slices of >= 256 KiB / m, which left small
+// weights on one thread) SmolLM2's 576x576 Q4_1 at 2 rows 0.53x -> 0.88x ggml's own op, 192x576 at
+// 2 / 4 rows 0.51 / 0.52x -> 0.70 / 0.76x, 512x1024 Q4_K 0.90 -> 1.00x; at 9-128 rows (against the
+// same slices, 2026-12-05) a whole first token 1.03-1.07x faster: Qwen3.5-0.8B-shaped Q4_K_M after
+// 16 / 64 / 128 tokens 110 -> 101, 262 -> 246, 467 -> 437 ms; single products 0.99-1.06x at 16-128
+// rows (Q4_K 6144x1024, 1024x3584, 2048x1024, Q6_K 1024x3584, Q4_1 1536x576, 576x576; Q6_K at 128
+// rows 1.17x) and 0.99-1.00x at 256 and 512, so the slices stay there.
+constexpr int64_t kShareRows = 128;
 
 // One weight of a product over a few activation rows, computed in slices by share_products: its
 // blocks, type and layout, the activations as its kernels read them, and its output (M, N). A
@@ -537,7 +541,7 @@ at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_i
     direct_dot_rows({dot_rows(blocks, type, xq, out)}, k);
     return out;
   }
-  if (m <= kGroupShareRows && reads_quantized_x(type)) {
+  if (m <= kShareRows && reads_quantized_x(type)) {
     few_rows_products({{blocks, type, false, xq, traits->vec_dot_type, out2}}, k, m);
     return out;
   }
@@ -560,7 +564,7 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
     stored[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
   }
   // Each weight's path: one-row dot products (plain weights, one row), ggml's mul_mat on plain
-  // weights (2 to kGroupShareRows rows), ggml's repacked kernels (repacked weights, fewer than
+  // weights (2 to kShareRows rows), ggml's repacked kernels (repacked weights, fewer than
   // kPlainLayoutRows rows), or mul_mat on its own. The first three run together: the activations
   // quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then one parallel region over
   // all their rows, each thread taking its share of every kind.
@@ -576,11 +580,11 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
     return st.repacked && m >= 1 && m < kPlainLayoutRows;
   };
   auto is_few_plain = [&](const Storage& st) {
-    return m >= 2 && m <= kGroupShareRows && is_plain_quantized(st);
+    return m >= 2 && m <= kShareRows && is_plain_quantized(st);
   };
   std::vector<at::Tensor> outs(n);
   std::vector<DotRows> dots;
-  std::vector<FewRowsProduct> few;  // repacked weights, and plain ones at 2-kGroupShareRows rows
+  std::vector<FewRowsProduct> few;  // repacked weights, and plain ones at 2-kShareRows rows
   std::vector<std::pair<ggml_type, at::Tensor>> quantized;
   at::Tensor xf;
   for (size_t i = 0; i < n; ++i) {

@@ -243,12 +243,13 @@ def test_mul_mat_id_many_tokens(gq):
 GROUP_TYPES = [(12, 300), (12, 64), (14, 100), (8, 33), (3, 7), (30, 129), (0, 40)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 8, 9])
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 128, 129])
 def test_mul_mat_group_equals_one_mul_mat_per_weight(gq, m):
     """Bit-identical to mul_mat per weight: the same ggml dot product per output, with one activation
-    row (quantized once per dot-product type, every weight's rows in one parallel region), with 2-8
+    row (quantized once per dot-product type, every weight's rows in one parallel region), with 2-128
     (every quantized weight's rows in one parallel region, one ggml graph per thread; the float
-    weights one product each) and with more (one product per weight)."""
+    weights one product each) and with more (one product per weight); from 32-128 rows by type the
+    block-32 weights take mul_mat's dense path (where this CPU has one), in the group as alone."""
     cols = 512
     weights = [make_weights(gq, t, rows=n, cols=cols, seed=n)[0] for t, n in GROUP_TYPES]
     types, rows = [t for t, _ in GROUP_TYPES], [n for _, n in GROUP_TYPES]
@@ -258,7 +259,11 @@ def test_mul_mat_group_equals_one_mul_mat_per_weight(gq, m):
     for w, t, n, out in zip(weights, types, rows, outs, strict=True):
         assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
         torch.testing.assert_close(out, gq.mul_mat(w, x, t, n), rtol=0, atol=0)
-        assert rel_err(out, gq.reference.mul_mat_emulated(w, x, t, n)) < MATMUL_RTOL
+        if not gq.dense_prefill.applies(w, x, t):  # ggml's 8-bit activations, as the emulation rounds them
+            assert rel_err(out, gq.reference.mul_mat_emulated(w, x, t, n)) < MATMUL_RTOL
+    exact = gq.mul_mat_group(weights, x, types, rows, exact=True)
+    for w, t, n, out in zip(weights, types, rows, exact, strict=True):
+        torch.testing.assert_close(out, gq.mul_mat(w, x, t, n, exact=True), rtol=0, atol=0)
     refs = gq.reference.mul_mat_group(weights, x, types, rows)
     for out, ref in zip(outs, refs, strict=True):
         assert rel_err(out, ref) < 2e-2  # the reference multiplies unquantized activations
@@ -287,11 +292,11 @@ def test_mul_mat_group_decode_shapes_and_threads(gq):
     torch.testing.assert_close(single, gq.mul_mat_vec(weights[0], x.bfloat16(), 3, 576), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("m", [2, 4, 8, 16, 31])
 def test_mul_mat_group_few_rows_split_over_threads(gq, m):
-    """2-8 activation rows (a short prompt): each weight's rows divided equally between the threads
-    (at multiples of 16 rows), each thread one graph of its slices of every weight; mul_mat splits a
-    single weight the same way. One and two threads give the same values, grouped or not, also for
+    """2-128 activation rows (a prompt; Q4_1 up to 31, from 32 on mul_mat's dense path takes it):
+    each weight's rows divided equally between the threads (at multiples of 16 rows), each thread
+    one graph of its slices of every weight; mul_mat splits a single weight the same way. One and two threads give the same values, grouped or not, also for
     weights that fall wholly to one thread (the 1-row and 16-row ones); the one-thread product of a
     whole weight is ggml's mul_mat graph unsplit (tests/test_ggml_oracle.py holds it to ggml's op)."""
     cols = 576

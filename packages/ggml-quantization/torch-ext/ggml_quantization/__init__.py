@@ -106,16 +106,28 @@ def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int,
     return ops.mul_mat.default(blocks, x, t, int(out_features))
 
 
-def mul_mat_group(blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_features) -> list[torch.Tensor]:
-    """`[x @ W.T for W in blocks]` for several packed weights that read the same activations (a layer's
-    q/k/v or gate/up projections); weights may differ in type and rows, not in columns. x `(..., K)` ->
-    one `(..., out_features[i])` float32 tensor per weight, each equal to `mul_mat(..., exact=True)` of
-    that weight (ggml's kernels for any number of rows).
-    For up to 8 activation rows (a decode step, a short prompt) the rows are quantized once per
-    dot-product type and all the quantized weights' rows are split over the threads together, in one
-    call instead of one per weight."""
+def mul_mat_group(
+    blocks: list[torch.Tensor], x: torch.Tensor, ggml_types, out_features, *, exact: bool = False
+) -> list[torch.Tensor]:
+    """`[mul_mat(W, x, ...) for W in blocks]` for several packed weights that read the same activations
+    (a layer's q/k/v or gate/up projections); weights may differ in type and rows, not in columns. x
+    `(..., K)` -> one `(..., out_features[i])` float32 tensor per weight, each equal to `mul_mat(W_i,
+    x, ggml_types[i], out_features[i], exact=exact)`: the weights `mul_mat` would take its dense path
+    for (`dense_prefill`) take it, the others run ggml's kernels together. For up to 128 activation
+    rows (a decode step, a prompt) those are quantized once per dot-product type and all their rows
+    split over the threads together, in one call instead of one per weight."""
     types = [type_id(t) for t in ggml_types]
-    return ops.mul_mat_group.default(list(blocks), x, types, [int(n) for n in out_features])
+    outs = [int(n) for n in out_features]
+    dense = set() if exact else {i for i, t in enumerate(types) if dense_prefill.applies(blocks[i], x, t)}
+    if not dense:
+        return ops.mul_mat_group.default(list(blocks), x, types, outs)
+    rest = [i for i in range(len(types)) if i not in dense]
+    result = {i: dense_prefill.matmul(blocks[i], x, types[i], outs[i]) for i in dense}
+    if rest:
+        grouped = ops.mul_mat_group.default([blocks[i] for i in rest], x, [types[i] for i in rest],
+                                            [outs[i] for i in rest])
+        result.update(zip(rest, grouped, strict=True))
+    return [result[i] for i in range(len(types))]
 
 
 def mul_mat_id(blocks: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type, out_features: int) -> torch.Tensor:
