@@ -34,6 +34,11 @@ def mul_mat(quant, blocks: torch.Tensor, x: torch.Tensor, ggml_type: int, out_fe
     return quant.mul_mat(blocks, x, ggml_type, out_features, exact=not _state["enabled"])
 
 
+def mul_mat_group(quant, blocks: list, x: torch.Tensor, ggml_types: list, out_features: list) -> list:
+    """ggml-quantization's (`quant`) mul_mat_group, its dense path allowed or not (`set_enabled`)."""
+    return quant.mul_mat_group(blocks, x, ggml_types, out_features, exact=not _state["enabled"])
+
+
 def package():
     """The ggml-quantization build loaded for the CPU (`enable()` points kernels at it)."""
     import kernels

@@ -147,17 +147,49 @@ def test_in_place_change_between_siblings_is_seen(quant):
     torch.testing.assert_close(up, own_forward(mlp.up_proj, x), rtol=0, atol=0)
 
 
-def test_prefill_rows_run_the_modules_own_forward(quant):
+@pytest.mark.parametrize("rows", [16, 129])
+def test_prefill_rows_are_grouped_as_mul_mat_computes_them(quant, rows):
+    """A prompt's rows share one call too (ggml-quantization's mul_mat_group: its K-quant weights'
+    rows split over the threads together up to 128 rows, one product per weight above): each sibling
+    gets what the package's mul_mat gives it alone, where transformers' own forward would dequantize
+    the weight for a float matmul (enable() routes that to mul_mat too)."""
     attn = LlamaAttention(quant)
     projection_groups.install(attn, quant)
-    x = torch.randn(1, 16, K)  # more rows than a decode step: transformers' mul_mat path per module
+    x = torch.randn(1, rows, K)
     with torch.inference_mode():
         got = []
         calls = our_calls(lambda: got.extend([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]))
-        want = [own_forward(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    assert "mul_mat_group" not in calls
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert calls.get("mul_mat_group") == 1
+    for g, m in zip(got, (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
+        assert g.shape == (1, rows, m.out_features)
+        torch.testing.assert_close(g, quant.mul_mat(m.weight, x, m.ggml_type, m.out_features), rtol=0, atol=0)
+
+
+def test_prefill_group_takes_the_dense_path_where_mul_mat_would(quant):
+    """Block-32 siblings at a prompt's rows: each output is the package's mul_mat of that weight, its
+    dense path included (where this CPU has one); with `dense_prefill.set_enabled(False)` ggml's exact
+    path, as `enable(dense_prefill=False)` asks."""
+    from ggml_kernels_integration import dense_prefill
+
+    class LlamaMLP(nn.Module):  # named like the layer class SIBLINGS lists
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = linear(quant, 64, "Q4_1", 11)
+            self.up_proj = linear(quant, 64, "Q4_K", 12)
+
+    mlp = LlamaMLP()
+    projection_groups.install(mlp, quant)
+    x = torch.randn(1, 64, K)
+    try:
+        for exact in (False, True):
+            dense_prefill.set_enabled(not exact)
+            with torch.inference_mode():
+                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            for g, m in ((gate, mlp.gate_proj), (up, mlp.up_proj)):
+                want = quant.mul_mat(m.weight, x, m.ggml_type, m.out_features, exact=exact)
+                torch.testing.assert_close(g, want, rtol=0, atol=0)
+    finally:
+        dense_prefill.set_enabled(True)
 
 
 def test_a_batch_of_decode_rows_is_grouped(quant):
@@ -237,9 +269,9 @@ def test_gated_mlp_runs_a_decode_step_in_two_calls_bit_for_bit(quant):
                 calls = our_calls(lambda x=x, got=got: got.append(mlp(x)))
                 assert calls == {"mul_mat_group": 1, "mul_mat_vec": 1}
                 torch.testing.assert_close(got[0], own_mlp_forward(mlp, x), rtol=0, atol=0)
-            x = torch.randn(1, 16, K)  # prefill rows: the MLP's own forward
+            x = torch.randn(1, 16, K)  # prefill rows: the MLP's own forward (gate/up still grouped)
             calls = our_calls(lambda: mlp(x))
-            assert "mul_mat_group" not in calls
+            assert "mul_mat_vec" not in calls
             torch.testing.assert_close(mlp(x), own_mlp_forward(mlp, x), rtol=0, atol=0)
             assert "mul_mat_vec" in our_calls(lambda: gelu_mlp(torch.randn(1, 1, K)))
     finally:
