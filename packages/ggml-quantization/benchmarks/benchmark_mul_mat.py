@@ -1,4 +1,4 @@
-"""Packed GGUF matrix products at Qwen3.5 linear shapes: decode (M = 1, 8) and prefill (M = 64, 512),
+"""Packed GGUF matrix products at Qwen3.5 linear shapes: decode (M = 1, 8) and prefill (M = 16, 64, 512),
 against ggml's own op and transformers' CPU paths.
 
     kernels benchmark ./packages/ggml-quantization          # a local build
@@ -63,7 +63,8 @@ QUICK = os.environ.get("GGML_KERNELS_BENCH_QUICK") == "1"
 TYPES = ["Q4_0", "Q4_K"] if QUICK else ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 MATVEC = {1: [(1024, 3584)]} if QUICK else {m: [(1024, 1024), (3584, 1024), (1024, 3584), (2560, 9216), (9216, 2560)]
                                             for m in (1, 8)}  # M -> (N, K)
-MATMAT = {64: [(1024, 3584)]} if QUICK else {64: [(3584, 1024), (1024, 3584), (9216, 2560)],
+MATMAT = {64: [(1024, 3584)]} if QUICK else {16: [(3584, 1024), (1024, 3584)],
+                                             64: [(3584, 1024), (1024, 3584), (9216, 2560)],
                                              512: [(3584, 1024), (1024, 3584)]}
 # mul_mat's dense path against ggml's kernel around its thresholds (dense_prefill.MIN_ROWS)
 BLOCK_32_TYPES = ["Q4_1"] if QUICK else ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
