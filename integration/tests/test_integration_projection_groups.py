@@ -41,6 +41,17 @@ def own_forward(module, x):
     return OWN_FORWARD["forward"](module, x)
 
 
+# A prompt's product against transformers' own (the weight dequantized, a float32 matmul): ggml's
+# path rounds the activations to 8 bits per block (~0.4 % of a block's largest value each), the
+# dense path rounds x, W and the product to bfloat16 (2^-9 each); both sum K = 256 such terms.
+FLOAT_PRODUCT_RTOL = 2e-2
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error over the largest magnitude of `want`."""
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 def linear(quant, out_features, ggml_type="Q4_K", seed=0, bias=False):
     from transformers.integrations.gguf.utils import GgufLinear
 
@@ -163,6 +174,7 @@ def test_prefill_rows_are_grouped_as_mul_mat_computes_them(quant, rows):
     for g, m in zip(got, (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
         assert g.shape == (1, rows, m.out_features)
         torch.testing.assert_close(g, quant.mul_mat(m.weight, x, m.ggml_type, m.out_features), rtol=0, atol=0)
+        assert relative_error(g, own_forward(m, x)) < FLOAT_PRODUCT_RTOL
 
 
 def test_prefill_group_takes_the_dense_path_where_mul_mat_would(quant):
@@ -188,6 +200,7 @@ def test_prefill_group_takes_the_dense_path_where_mul_mat_would(quant):
             for g, m in ((gate, mlp.gate_proj), (up, mlp.up_proj)):
                 want = quant.mul_mat(m.weight, x, m.ggml_type, m.out_features, exact=exact)
                 torch.testing.assert_close(g, want, rtol=0, atol=0)
+                assert relative_error(g, own_forward(m, x)) < FLOAT_PRODUCT_RTOL
     finally:
         dense_prefill.set_enabled(True)
 
