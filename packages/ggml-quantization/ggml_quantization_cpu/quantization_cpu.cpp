@@ -10,7 +10,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -118,35 +117,41 @@ bool reads_quantized_x(ggml_type t) {
 }
 
 // How a product of a plain (not repacked) weight runs, by activation rows m. The same rule on every
-// x86 CPU: each path reads the weight in ggml-cpu's own order with ggml-cpu's own dot products,
-// so it is at least as fast as ggml's graph wherever ggml's graph is fast, with nothing tuned to
-// one machine (no CPU feature picks a path: ggml's CPU level picks the instructions).
+// x86 CPU: each path runs ggml-cpu's own dot products (ggml's CPU level picks the instructions; no
+// CPU feature picks a path), and each thread reads its weight rows in order, as ggml's do.
 //
 //   m     path                                  split over threads              prefetch
-//   1     ggml's vec_dot per weight row,        ggml-cpu's mul_mat's: 64-row    none (as ggml)
-//         no graph (direct_dot_rows)            chunks, a shared counter;
-//                                               < 4 chunks per thread: one run
-//                                               each; >= 64 KiB per thread
+//   1     ggml's vec_dot per weight row,        one run of about equal bytes    none (as ggml)
+//         no graph (direct_dot_rows)            per thread, a group's weights
+//                                               end to end; >= 64 KiB each
 //   2-128 ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
 //         graph per thread (share_products)     KiB of weight x m per thread
 //   129-  ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
 //         graph per slice (mul_mat_slices)      (min_rows_per_task), taken from
 //                                               a shared counter
 //
-// The one-row path once requested each weight row ~4 KB ahead with prefetchnta and gave each thread
-// one run of rows. On an Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 cores) that made a 9216x2560 Q4_K
-// product 2.25 ms on one thread against ggml's 0.76 ms (1.24 vs 0.39 ms on two), whichever ggml CPU
-// level ran. The likely reason, not measured there: a non-temporal prefetch on those parts fills
-// the L1 alone, so the L2's streaming prefetcher does not see the stream, and each core fetches
-// DRAM at the L1's few outstanding misses. On the AMD EPYC (zen4, 2 cores) the prefetch cost up to
-// 1.5x too: one thread, one process, alternating, thread CPU time (the machine shared, load ~7.5),
-// weights cycled through 128 MB, 9216x2560 Q8_0 2.60 ms with it against 1.98 without, Q4_K 1.73 /
-// 1.48, 2560x9216 Q6_K 2.58 / 1.74, Q4_1 alike (docs/benchmarks.md, "One-row products").
 // For one row ggml's mul_mat computes exactly these dot products for every type (x86 type traits
 // have nrows == 1, and llamafile's sgemm declines a single column), so the results are
 // bit-identical, minus a graph's building and planning, a good part of a decode step's small
 // products. At m = 8 ggml's blocked loop (and its tiled K-quant kernels) was faster on large Q4_K
 // weights, so more rows keep the graph.
+//
+// One run per thread, not ggml-cpu's 64-row chunks from a shared counter: a decode step streams
+// every weight from DRAM once, and a thread's contiguous run is one long stream for the hardware
+// prefetchers where chunks break it every 64 rows (23 KiB of a 576-column Q4_1 weight). AMD EPYC
+// (zen4, 2 threads), one process, alternating, 9-11 rounds, weights cycled through 96-128 MB
+// (2026-12-05): SmolLM2's Q4_1 576x576 / 1536x576 / 576x1536 1.19 / 1.30-1.36 / 1.10-1.12x, its
+// q/k/v and gate/up groups 1.09-1.15 / 1.22-1.34x; 9216x2560 and 2560x9216 Q4_K, Q6_K, Q8_0, Q4_1
+// 0.93-1.33x (median 1.00x); whole decode steps (kDirectDotRows's path in every projection) SmolLM2
+// 1.15x and Qwen3.5-0.8B-shaped Q4_K_M 1.26x faster.
+//
+// No software prefetch: requesting each weight row ~4 KB ahead with prefetchnta made a 9216x2560
+// Q4_K product on an Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 cores) 2.25 ms on one thread against
+// ggml's 0.76 ms, whichever ggml CPU level ran (the likely reason, not measured there: a
+// non-temporal prefetch fills the L1 alone, so the L2's streaming prefetcher does not see the
+// stream). On the EPYC it cost up to 1.5x on 9216-column rows (2560x9216 Q6_K 2.58 against 1.74 ms,
+// one thread, 128 MB cycled) and won 1.05-1.17x only on SmolLM2's short rows
+// (docs/benchmarks.md, "One-row products").
 constexpr int64_t kDirectDotRows = 1;
 
 // One packed weight of a one-row product: its rows, its dot product, the activation row quantized
@@ -199,65 +204,32 @@ int64_t total_bytes(const std::vector<DotRows>& dots) {
   return total;
 }
 
-// Rows of one chunk of a one-row product: the chunk ggml-cpu's mul_mat cuts a weight into for a
-// single activation column, so that the threads read the weight in the order ggml's threads do.
-constexpr int64_t kRowsPerChunk = 64;
-// Chunks per thread below which ggml-cpu's mul_mat gives each thread one run of rows instead.
-constexpr int64_t kMinChunksPerThread = 4;
-
-// How the threads divide one-row products: each weight cut into chunks of kRowsPerChunk rows,
-// thread t taking chunk t first and then the next untaken one from a shared counter, as ggml's
-// threads take them; with fewer than kMinChunksPerThread chunks per thread, one run of about equal
-// bytes per thread (share_rows), as ggml gives each thread one run of equal rows.
-struct DotSplit {
-  int64_t threads, total;            // threads and weight bytes of all the products
-  std::vector<int64_t> chunk_start;  // weight i's chunks are [chunk_start[i], chunk_start[i + 1])
-  bool by_chunks;
-  std::atomic<int64_t> next;  // the next chunk no thread has taken
-
-  DotSplit(const std::vector<DotRows>& dots, int64_t threads_, int64_t total_)
-      : threads(threads_), total(total_), chunk_start{0} {
-    for (const auto& d : dots)
-      chunk_start.push_back(chunk_start.back() + (d.rows + kRowsPerChunk - 1) / kRowsPerChunk);
-    by_chunks = chunk_start.back() >= kMinChunksPerThread * threads;
-    next.store(threads, std::memory_order_relaxed);
-  }
-};
-
 // out[r] = W[r] . x for the rows [r0, r1) of one weight, with ggml-cpu's vec_dot, in row order.
 void dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
   for (int64_t i = r0; i < r1; ++i)
     d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
 }
 
-// Thread t's share of the one-row products `dots`, divided as `split` says.
-void dot_share(const std::vector<DotRows>& dots, int64_t k, DotSplit& split, int64_t t) {
-  if (!split.by_chunks) {
-    int64_t base = 0;
-    for (const auto& d : dots) {
-      const auto [r0, r1] = share_rows(split.total, t, split.threads, base, d.rows, d.row_bytes);
-      base += d.rows * d.row_bytes;
-      dot_rows_range(d, k, r0, r1);
-    }
-    return;
-  }
-  const int64_t chunks = split.chunk_start.back();
-  size_t i = 0;  // the weight of chunk c (chunks only grow within a thread)
-  for (int64_t c = t; c < chunks; c = split.next.fetch_add(1, std::memory_order_relaxed)) {
-    while (c >= split.chunk_start[i + 1]) ++i;
-    const int64_t r0 = (c - split.chunk_start[i]) * kRowsPerChunk;
-    dot_rows_range(dots[i], k, r0, std::min(dots[i].rows, r0 + kRowsPerChunk));
+// Thread t's share of the one-row products `dots` (`total` bytes of weights): the weights laid end
+// to end and cut into one run of about equal bytes per thread (share_rows), each read in row order.
+// See kDirectDotRows for why one run each rather than ggml-cpu's 64-row chunks.
+void dot_share(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64_t t,
+               int64_t threads) {
+  int64_t base = 0;
+  for (const auto& d : dots) {
+    const auto [r0, r1] = share_rows(total, t, threads, base, d.rows, d.row_bytes);
+    base += d.rows * d.row_bytes;
+    dot_rows_range(d, k, r0, r1);
   }
 }
 
 // out_w = x @ W.T for one activation row and every weight W of `dots` (each with k columns), with
-// ggml-cpu's vec_dot, the weights' rows divided over the threads as ggml-cpu's mul_mat divides one
-// weight's (DotSplit). Several weights that read the same activations (q/k/v, gate/up) so share one
-// parallel region, and small ones are not left to a single thread.
+// ggml-cpu's vec_dot, one run of rows per thread (dot_share). Several weights that read the same
+// activations (q/k/v, gate/up) so share one parallel region, and small ones are not left to a
+// single thread.
 void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
-  const int64_t total = total_bytes(dots);
-  DotSplit split(dots, threads_for(total), total);
-  run_shares(split.threads, [&](int64_t t) { dot_share(dots, k, split, t); });
+  const int64_t total = total_bytes(dots), threads = threads_for(total);
+  run_shares(threads, [&](int64_t t) { dot_share(dots, k, total, t, threads); });
 }
 
 DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, at::Tensor& out) {
@@ -614,9 +586,8 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   if (!xf.defined()) return outs;
   const int64_t k = x.size(-1), dot_total = total_bytes(dots);
   const int64_t threads = threads_for(dot_total + weighed_bytes(few, m));
-  DotSplit split(dots, threads, dot_total);
   run_shares(threads, [&](int64_t t) {
-    if (dot_total > 0) dot_share(dots, k, split, t);
+    if (dot_total > 0) dot_share(dots, k, dot_total, t, threads);
     if (!few.empty()) share_products(few, k, t, threads);
   });
   return outs;

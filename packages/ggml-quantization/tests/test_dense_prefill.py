@@ -96,6 +96,18 @@ def test_where_it_applies(gq, bf16_cpu, monkeypatch):
     assert torch.equal(gq.mul_mat(blocks, x, "Q4_0", 64), gq.ops.mul_mat(blocks, x, 2, 64))
 
 
+def test_may_apply_decides_a_group_once(gq, bf16_cpu, monkeypatch):
+    """may_apply(x) is False wherever applies is False for every type (fewer rows than the lowest
+    threshold, no native bfloat16), so mul_mat_group skips the per-weight check at a decode step's rows."""
+    dp = gq.dense_prefill
+    fewest = min(dp.MIN_ROWS.values())
+    blocks, _ = packed(gq, "Q4_1", 64, 64)
+    assert not dp.may_apply(rows(fewest - 1, 64)) and not dp.applies(blocks, rows(fewest - 1, 64), 3)
+    assert dp.may_apply(rows(fewest, 64)) and dp.applies(blocks, rows(fewest, 64), 3)
+    monkeypatch.setattr(dp, "NATIVE_BF16", False)
+    assert not dp.may_apply(rows(512, 64))
+
+
 def test_repacked_weight(gq, bf16_cpu):
     t = int(gq.GGMLType.Q4_0)
     if t not in gq.repacked_types():

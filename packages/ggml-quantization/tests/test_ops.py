@@ -320,14 +320,13 @@ def test_mul_mat_group_few_rows_split_over_threads(gq, m):
         assert rel_err(a, gq.reference.mul_mat_emulated(w, x.view(m, cols), 3, n).view(1, m, n)) < MATMUL_RTOL
 
 
-# One activation row runs ggml's vec_dot per weight row without a graph, the rows divided over the
-# threads as ggml-cpu's mul_mat divides them: 64-row chunks from a shared counter, or one run per
-# thread when there are fewer than 4 chunks per thread, and one thread below 64 KiB of weights each
+# One activation row runs ggml's vec_dot per weight row without a graph, the weights' rows laid end to
+# end and cut into one run of about equal bytes per thread, and one thread below 64 KiB of weights each
 # (quantization_cpu.cpp, kDirectDotRows). These row counts (2048 columns: 1152-byte Q4_K rows) land
-# on each side of every edge: one thread, one run per thread (4 chunks), exactly 4 chunks per thread,
-# a chunk more, and a last chunk cut short. Every output must be computed once, whatever the split:
-# the first row of a 2-row product, ggml's own mul_mat graph with the same vec_dot per output for
-# these types (no sgemm for them on x86, no tiled kernel below 8 rows), is bit-identical.
+# on both sides of the second thread's 128 KiB and put the cut at even and odd rows. Every output
+# must be computed once, whatever the split: the first row of a 2-row product, ggml's own mul_mat graph
+# with the same vec_dot per output for these types (no sgemm for them on x86, no tiled kernel below 8
+# rows), is bit-identical.
 @pytest.mark.parametrize("rows", [1, 63, 65, 200, 512, 513, 1000])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("t", [12, 14, 3], ids=lambda t: TYPE_IDS[t])
@@ -345,6 +344,27 @@ def test_one_row_split_computes_every_row_once(gq, t, rows, threads):
     torch.testing.assert_close(one[0], two[0], rtol=0, atol=0)
     torch.testing.assert_close(grouped, one, rtol=0, atol=0)
     assert rel_err(one, gq.reference.mul_mat_emulated(blocks, x[:1], t, rows)) < MATMUL_RTOL
+
+
+# A group's weights laid end to end: the cut between the two threads' runs falls inside the first
+# weight, exactly at the join, or inside the second, and between weights of different row sizes.
+@pytest.mark.parametrize("members", [((12, 300), (12, 100)), ((12, 200), (12, 200)), ((12, 100), (12, 300)),
+                                     ((12, 100), (14, 300)), ((14, 64), (3, 64), (12, 400))],
+                         ids=lambda m: "+".join(f"{TYPE_IDS[t]}x{n}" for t, n in m))
+def test_one_row_group_split_computes_every_row_once(gq, members):
+    weights = [make_weights(gq, t, rows=n, cols=2048, seed=i)[0] for i, (t, n) in enumerate(members)]
+    types, rows = [t for t, _ in members], [n for _, n in members]
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(len(members)))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        grouped = gq.mul_mat_group(weights, x, types, rows)
+        torch.set_num_threads(1)
+        alone = [gq.mul_mat_vec(w, x, t, n) for w, t, n in zip(weights, types, rows, strict=True)]
+    finally:
+        torch.set_num_threads(before)
+    for g, a in zip(grouped, alone, strict=True):
+        torch.testing.assert_close(g, a, rtol=0, atol=0)
 
 
 def test_thread_count_does_not_change_results(gq):

@@ -118,7 +118,8 @@ def mul_mat_group(
     split over the threads together, in one call instead of one per weight."""
     types = [type_id(t) for t in ggml_types]
     outs = [int(n) for n in out_features]
-    dense = set() if exact else {i for i, t in enumerate(types) if dense_prefill.applies(blocks[i], x, t)}
+    dense = (set() if exact or not dense_prefill.may_apply(x)
+             else {i for i, t in enumerate(types) if dense_prefill.applies(blocks[i], x, t)})
     if not dense:
         return ops.mul_mat_group.default(list(blocks), x, types, outs)
     rest = [i for i in range(len(types)) if i not in dense]

@@ -160,6 +160,13 @@ def _repacked_here() -> frozenset[int]:
     return frozenset(ops.repacked_types.default())
 
 
+def may_apply(x: torch.Tensor) -> bool:
+    """Whether a product with activations x could take this path for some weight: False on builds and
+    CPUs without it and for fewer rows than every type's threshold (a decode step's), which decides a
+    group of weights once, not per weight."""
+    return NATIVE_BF16 and BACKEND == "cpu" and _rows(x) >= min(MIN_ROWS.values())
+
+
 def applies(blocks: torch.Tensor, x: torch.Tensor, type_id: int) -> bool:
     """Whether `mul_mat(blocks, x, type_id, ...)` takes this path (see the module docstring). Decided
     from the type, the row count, the devices and the CPU; inputs the product would refuse go to
@@ -167,10 +174,10 @@ def applies(blocks: torch.Tensor, x: torch.Tensor, type_id: int) -> bool:
     repacked = REPACKED <= type_id < 2 * REPACKED
     gguf_type = type_id - REPACKED if repacked else type_id
     min_rows = MIN_ROWS.get(gguf_type)
-    return (min_rows is not None and NATIVE_BF16 and BACKEND == "cpu"
+    return (min_rows is not None and NATIVE_BF16 and BACKEND == "cpu" and _rows(x) >= min_rows
             and (not repacked or gguf_type in _repacked_here())
             and blocks.device.type == "cpu" and x.device.type == "cpu"
-            and blocks.dtype == torch.uint8 and x.dtype in _checks._FLOAT and _rows(x) >= min_rows)
+            and blocks.dtype == torch.uint8 and x.dtype in _checks._FLOAT)
 
 
 def _check(blocks: torch.Tensor, x: torch.Tensor, type_id: int, out_features: int) -> None:
