@@ -143,7 +143,8 @@ bool reads_quantized_x(ggml_type t) {
 // (2026-12-05): SmolLM2's Q4_1 576x576 / 1536x576 / 576x1536 1.19 / 1.30-1.36 / 1.10-1.12x, its
 // q/k/v and gate/up groups 1.09-1.15 / 1.22-1.34x; 9216x2560 and 2560x9216 Q4_K, Q6_K, Q8_0, Q4_1
 // 0.93-1.33x (median 1.00x); whole decode steps (kDirectDotRows's path in every projection) SmolLM2
-// 1.15x and Qwen3.5-0.8B-shaped Q4_K_M 1.26x faster.
+// 1.15x and Qwen3.5-0.8B-shaped Q4_K_M 1.26x faster (1.12x / 1.17x built apart, fresh processes in
+// turn, 4 rounds).
 //
 // No software prefetch: requesting each weight row ~4 KB ahead with prefetchnta made a 9216x2560
 // Q4_K product on an Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 cores) 2.25 ms on one thread against
