@@ -100,10 +100,11 @@ def test_may_apply_decides_a_group_once(gq, bf16_cpu, monkeypatch):
     """may_apply(x) is False wherever applies is False for every type (fewer rows than the lowest
     threshold, no native bfloat16), so mul_mat_group skips the per-weight check at a decode step's rows."""
     dp = gq.dense_prefill
-    fewest = min(dp.MIN_ROWS.values())
-    blocks, _ = packed(gq, "Q4_1", 64, 64)
-    assert not dp.may_apply(rows(fewest - 1, 64)) and not dp.applies(blocks, rows(fewest - 1, 64), 3)
-    assert dp.may_apply(rows(fewest, 64)) and dp.applies(blocks, rows(fewest, 64), 3)
+    first = min(dp.MIN_ROWS, key=dp.MIN_ROWS.get)  # the type with the lowest threshold
+    fewest = dp.MIN_ROWS[first]
+    blocks, _ = packed(gq, gq.GGMLType(first).name, 64, 64)
+    assert not dp.may_apply(rows(fewest - 1, 64)) and not dp.applies(blocks, rows(fewest - 1, 64), first)
+    assert dp.may_apply(rows(fewest, 64)) and dp.applies(blocks, rows(fewest, 64), first)
     monkeypatch.setattr(dp, "NATIVE_BF16", False)
     assert not dp.may_apply(rows(512, 64))
 

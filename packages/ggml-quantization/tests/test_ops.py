@@ -363,8 +363,9 @@ def test_one_row_group_split_computes_every_row_once(gq, members):
         alone = [gq.mul_mat_vec(w, x, t, n) for w, t, n in zip(weights, types, rows, strict=True)]
     finally:
         torch.set_num_threads(before)
-    for g, a in zip(grouped, alone, strict=True):
+    for w, t, n, g, a in zip(weights, types, rows, grouped, alone, strict=True):
         torch.testing.assert_close(g, a, rtol=0, atol=0)
+        assert rel_err(g, gq.reference.mul_mat_emulated(w, x, t, n)) < MATMUL_RTOL
 
 
 def test_thread_count_does_not_change_results(gq):
