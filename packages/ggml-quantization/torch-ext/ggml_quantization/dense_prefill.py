@@ -99,7 +99,6 @@ MIN_ROWS: dict[int, int] = {
     GGMLType.Q4_0: 96,
     GGMLType.Q5_0: 128,
 }
-FEWEST_ROWS = min(MIN_ROWS.values())  # no product with fewer rows takes this path
 # a core's L2 cache where sysfs does not say (the x86 CPUs of the last years have 1-2 MiB)
 ASSUMED_L2_BYTES = 1 << 20
 # a chunk's rows are a multiple of this (oneDNN's GEMM blocks; a multiple of REPACK_ROWS too)
@@ -165,7 +164,7 @@ def may_apply(x: torch.Tensor) -> bool:
     """Whether a product with activations x could take this path for some weight: False on builds and
     CPUs without it and for fewer rows than every type's threshold (a decode step's), which decides a
     group of weights once, not per weight."""
-    return NATIVE_BF16 and BACKEND == "cpu" and _rows(x) >= FEWEST_ROWS
+    return NATIVE_BF16 and BACKEND == "cpu" and _rows(x) >= min(MIN_ROWS.values())
 
 
 def applies(blocks: torch.Tensor, x: torch.Tensor, type_id: int) -> bool:
