@@ -253,8 +253,9 @@ def patch_forward(patches, quant) -> None:
             and self._parameters.get("bias") is None
         ):
             permutation = self._buffers.get("input_permutation")  # e.g. Qwen3.5's value-head order
-            if permutation is not None:
-                x = x.index_select(-1, permutation)
+            if permutation is not None:  # gathered on x as a matrix: along a 3-D tensor's last dim
+                # index_select takes ~16x longer at 4 rows (96 against 6 us, 2 threads)
+                x = x.reshape(-1, in_features).index_select(1, permutation).view(x.shape)
             return mul_mat_vec(self._parameters["weight"], x, self.ggml_type, self.out_features)  # (..., N)
         return original(self, x)
 

@@ -292,12 +292,14 @@ def test_gated_mlp_runs_a_decode_step_in_two_calls_bit_for_bit(quant):
     assert HfLlamaMLP.forward is own_mlp_forward
 
 
-def test_permuted_input_runs_the_op_directly(quant):
-    """A decode step of an ungrouped linear with an input permutation (Qwen3.5's out_proj): the
-    permutation applied, then the kernel's mat-vec: what transformers' own forward computes."""
+@pytest.mark.parametrize("shape", [(1, 1, K), (1, 4, K), (2, 3, K), (5, K)], ids=str)
+def test_permuted_input_runs_the_op_directly(quant, shape):
+    """A decode step or short prompt of an ungrouped linear with an input permutation (Qwen3.5's
+    out_proj), with any leading dims: the permutation applied, then the kernel's mat-vec: what
+    transformers' own forward computes."""
     module = linear(quant, 64, "Q4_K", 10)
     module.input_permutation = torch.randperm(K, generator=torch.Generator().manual_seed(11))
-    x = torch.randn(1, 1, K)
+    x = torch.randn(*shape)
     with torch.inference_mode():
         got = []
         calls = our_calls(lambda: got.append(module(x)))
