@@ -268,16 +268,15 @@ def write_tiny_llama(path) -> None:
     w.close()
 
 
-def run(script: str, config: str, tmp_path_factory) -> dict:
-    path = None
-    if config == "llama-tiny":
+def run(script: str, config: str, tmp_path_factory, path=None, env: dict | None = None) -> dict:
+    if path is None and config == "llama-tiny":
         path = tmp_path_factory.mktemp("llama") / "llama-tiny.gguf"
         write_tiny_llama(path)
-    elif config == "smollm2":
+    elif path is None and config == "smollm2":
         from tools.models import smollm2
 
         path = smollm2.gguf_path()
-    proc = fresh_process(f"CONFIG = {config!r}\nPATH = {str(path) if path else ''!r}\n" + script)
+    proc = fresh_process(f"CONFIG = {config!r}\nPATH = {str(path) if path else ''!r}\n" + script, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
 
@@ -470,3 +469,65 @@ def test_a_prefill_into_a_longer_cache_attends_top_left(queries, keys, masked):
     else:
         want = torch.nn.functional.scaled_dot_product_attention(q, k2, v2, is_causal=True, scale=0.125)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+# compile_decode=True with the step store on (torch >= 2.15): the step of this model and shape is
+# loaded from the store or compiled and stored; the same generate() eagerly on a static cache after
+STORED = LOAD + """
+from ggml_kernels_integration import stored_steps
+tokens, logits, cache = gen()
+rec = compiled_decode.record(model)
+loaded = list(rec.stored.loaded.values()) if rec.stored is not None else None
+describe = rec.describe()
+gk.enable(compile_decode=False)
+static = gen(cache_implementation="static")
+folder = stored_steps.folder()
+print("RESULT" + json.dumps({
+    "cache": cache, "failure": rec.failure, "loaded": loaded, "describe": describe,
+    "files": {p.name: p.stat().st_size for p in folder.glob("*.step")},
+    "tokens": tokens, "same_tokens_static": tokens == static[0], "rel_static": rel(logits, static[1]),
+}))
+"""
+
+
+def _stores_steps() -> bool:
+    from ggml_kernels_integration import stored_steps
+
+    return stored_steps.enabled()
+
+
+@pytest.mark.skipif(not _stores_steps(), reason="compiled steps are stored from torch 2.15 on")
+def test_a_stored_step_is_loaded_by_the_next_process_and_a_damaged_one_compiled_anew(tmp_path_factory, tmp_path):
+    """The first process compiles the step and stores it; the next loads it (no compile) and decodes
+    the same tokens; a damaged file is compiled and stored anew, with the same tokens. Every process's
+    compiled steps against eager ones on a static cache, within the bounds above."""
+    model = tmp_path / "llama-tiny.gguf"
+    write_tiny_llama(model)
+    env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps")}
+    runs = [run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env)]
+    runs.append(run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env))
+    (name,) = runs[0]["files"]
+    (tmp_path / "steps" / name).write_bytes(b"not a compiled step")
+    runs.append(run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env))
+    for res in runs:
+        assert res["cache"] == "StaticCache" and res["failure"] is None, res
+        assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, res
+        assert res["tokens"] == runs[0]["tokens"]
+        assert list(res["files"]) == [name], res["files"]
+    assert runs[0]["loaded"] == [] and runs[2]["loaded"] == [], runs
+    assert len(runs[1]["loaded"]) == 1 and "1 loaded from" in runs[1]["describe"], runs[1]
+    assert runs[2]["files"][name] > 1000  # stored anew over the damaged file (~1.4 MB)
+
+
+def test_steps_are_stored_only_from_torch_2_15_and_not_when_switched_off(monkeypatch):
+    from ggml_kernels_integration import stored_steps
+
+    monkeypatch.setattr(stored_steps.torch, "__version__", "2.15.0+cpu")
+    assert stored_steps.enabled() == hasattr(stored_steps.torch._dynamo, "aot_compile")
+    monkeypatch.setenv(stored_steps.ENV, "0")
+    assert not stored_steps.enabled()
+    monkeypatch.delenv(stored_steps.ENV)
+    monkeypatch.setattr(stored_steps.torch, "__version__", "2.14.1")
+    assert not stored_steps.enabled()
+    monkeypatch.setenv(stored_steps.ENV, "/some/folder")
+    assert str(stored_steps.folder()) == "/some/folder"
