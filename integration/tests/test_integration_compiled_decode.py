@@ -474,6 +474,7 @@ def test_a_prefill_into_a_longer_cache_attends_top_left(queries, keys, masked):
 # compile_decode=True with the step store on (torch >= 2.15): the step of this model and shape is
 # loaded from the store or compiled and stored; the same generate() eagerly on a static cache after
 STORED = LOAD + """
+from pathlib import Path
 from ggml_kernels_integration import stored_steps
 tokens, logits, cache = gen()
 rec = compiled_decode.record(model)
@@ -485,6 +486,8 @@ folder = stored_steps.folder()
 print("RESULT" + json.dumps({
     "cache": cache, "failure": rec.failure, "loaded": loaded, "describe": describe,
     "files": {p.name: p.stat().st_size for p in folder.glob("*.step")},
+    "libraries": len(list((folder / "inductor").rglob("*.so"))),
+    "own_libraries": len(list(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so"))),
     "tokens": tokens, "same_tokens_static": tokens == static[0], "rel_static": rel(logits, static[1]),
 }))
 """
@@ -500,16 +503,23 @@ def _stores_steps() -> bool:
 def test_a_stored_step_is_loaded_by_the_next_process_and_a_damaged_one_compiled_anew(tmp_path_factory, tmp_path):
     """The first process compiles the step and stores it; the next loads it (no compile) and decodes
     the same tokens; a damaged file is compiled and stored anew, with the same tokens. Every process's
-    compiled steps against eager ones on a static cache, within the bounds above."""
+    compiled steps against eager ones on a static cache, within the bounds above. Each process has an
+    empty inductor cache of its own (as after a reboot cleans /tmp): the step's C++ libraries are
+    compiled into the store and loaded from there, never into that cache."""
     model = tmp_path / "llama-tiny.gguf"
     write_tiny_llama(model)
-    env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps")}
-    runs = [run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env)]
-    runs.append(run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env))
+
+    def stored_run() -> dict:
+        env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps"),
+               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+        return run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env)
+
+    runs = [stored_run(), stored_run()]
     (name,) = runs[0]["files"]
     (tmp_path / "steps" / name).write_bytes(b"not a compiled step")
-    runs.append(run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env))
+    runs.append(stored_run())
     for res in runs:
+        assert res["libraries"] > 0 and res["own_libraries"] == 0, res
         assert res["cache"] == "StaticCache" and res["failure"] is None, res
         assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, res
         assert res["tokens"] == runs[0]["tokens"]
