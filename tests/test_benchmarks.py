@@ -5,7 +5,8 @@ Each runs in its quick form (GGML_KERNELS_BENCH_QUICK=1: a few workloads, 2 time
 runner checks every checked implementation's output against the script's reference and exits
 non-zero on a mismatch; here it must exit 0, every implementation the script compares must have run,
 and the markdown table made from its JSON must hold only finite numbers. The times themselves are
-not checked (speed is shown by the benchmarks, never asserted in tests)."""
+not checked (speed is shown by the benchmarks, never asserted in tests); bench-e2e's verdicts are
+checked on made-up rounds."""
 
 from __future__ import annotations
 
@@ -60,3 +61,18 @@ def test_benchmarks_run_under_kernels_runner(package, tmp_path):
     cells = [cell.strip().lower() for line in kernels_table.markdown(payload).splitlines() if line.startswith("|")
              for cell in line.split("|")]
     assert not {"nan", "inf", "nanx", "infx"} & set(cells), kernels_table.markdown(payload)
+
+
+def test_e2e_short_prompt_targets_follow_the_acceptance():
+    """bench-e2e's verdicts: the first token after 4 tokens is held to 0.9x llama.cpp (Q4_K files
+    keep the plain layout), after 16 and 64 tokens and generate() to 1x; a median of the rounds."""
+    from tools.bench import bench_e2e
+
+    def round_(ours_ms: float, gen: float) -> dict:
+        times = {"kernels": {str(n): ours_ms for n in (4, 16, 64)}, "llama.cpp": {str(n): 10.0 for n in (4, 16, 64)}}
+        return {"model_name": "m", "first_token": times, "generate": {"kernels": gen, "llama.cpp": 100.0}}
+
+    (line,) = bench_e2e.short_prompt_lines("m", [round_(10.5, 99.0), round_(11.0, 101.0), round_(10.6, 100.0)])
+    cells = line.split(": ", 1)[1].split("; ")
+    assert [cell.rsplit(" ", 1)[1] for cell in cells] == ["PASS", "MISS", "MISS", "PASS"], line
+    assert "(>= 0.9x)" in cells[0] and "(>= 1x)" in cells[1] and "(>= 1x)" in cells[3], line

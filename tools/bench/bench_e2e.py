@@ -12,7 +12,8 @@ ratio is not taken from one pair of cells: after the table's cells, `kernels` an
 again in alternating fresh processes (`--decode-rounds`, 3 by default), and the target line reports
 the median of the per-round ratios. Those rounds also time what a chat user waits for: the first
 token after 4, 16 and 64-token prompts and generate() of 32 tokens after 12 (`bench.FIRST_TOKEN_PROMPTS`,
-`GENERATE_*`), reported as ours against llama.cpp's, median of the rounds (target: at least 1x).
+`GENERATE_*`), reported as ours against llama.cpp's, median of the rounds (targets: 1x, and 0.9x for
+the first token after 4 tokens: `TARGET_FIRST_TOKEN_VS_LLAMA_CPP`).
 
     python -m tools.bench.bench_e2e                      # prefill 64 and 512 tokens, decode 128 tokens
     python -m tools.bench.bench_e2e --quick              # a smoke run: prefill 16 and 64, decode 16
@@ -54,7 +55,11 @@ BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf",
 TARGET_DECODE_VS_LLAMA_CPP = 0.8
 TARGET_DECODE_VS_F32 = 3.0
 TARGET_MEMORY_F32_OVER_OURS = 4.0
-TARGET_SHORT_PROMPTS_VS_LLAMA_CPP = 1.0
+# ours over llama.cpp's speed, median of the rounds: the first token after a prompt of n tokens, and
+# generate(); after 4 tokens 0.9x, since Q4_K files keep the plain layout where llama.cpp repacks
+# (the short-prompt decision in the ggml-quantization README)
+TARGET_FIRST_TOKEN_VS_LLAMA_CPP = {4: 0.9, 16: 1.0, 64: 1.0}
+TARGET_GENERATE_VS_LLAMA_CPP = 1.0
 FULL = {"prompt_tokens": [64, 512], "decode_tokens": 128, "repeats": 3, "decode_rounds": 3}
 QUICK = {"prompt_tokens": [16, 64], "decode_tokens": 16, "repeats": 1, "decode_rounds": 0}
 RUN_TIMEOUT_S = 3600
@@ -154,7 +159,7 @@ def decode_rounds(model: str, rounds: list[dict]) -> dict | None:
 
 def short_prompt_lines(model: str, rounds: list[dict], ours: str = "kernels") -> list[str]:
     """`ours`' first-token times and generate() speed against llama.cpp's, median of the alternating
-    rounds' ratios (above 1: ours is faster), with TARGET_SHORT_PROMPTS_VS_LLAMA_CPP."""
+    rounds' ratios (above 1: ours is faster), with their targets."""
     mine = [r for r in rounds if r["model_name"] == model and r.get("first_token", {}).get(ours)
             and r.get("first_token", {}).get("llama.cpp")]
     if not mine:
@@ -163,12 +168,11 @@ def short_prompt_lines(model: str, rounds: list[dict], ours: str = "kernels") ->
     for n in FIRST_TOKEN_PROMPTS:
         pairs = [(r["first_token"][ours][str(n)], r["first_token"]["llama.cpp"][str(n)]) for r in mine]
         parts.append((f"first token after {n} ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in pairs)} ms)",
-                      statistics.median(b / a for a, b in pairs)))
+                      statistics.median(b / a for a, b in pairs), TARGET_FIRST_TOKEN_VS_LLAMA_CPP.get(n, 1.0)))
     pairs = [(r["generate"][ours], r["generate"]["llama.cpp"]) for r in mine]
     parts.append((f"generate() ({', '.join(f'{a:.1f}/{b:.1f}' for a, b in pairs)} tok/s)",
-                  statistics.median(a / b for a, b in pairs)))
-    target = TARGET_SHORT_PROMPTS_VS_LLAMA_CPP
-    cells = [f"{label} {value:.2f}x (>= {target:g}x) {'PASS' if value >= target else 'MISS'}" for label, value in parts]
+                  statistics.median(a / b for a, b in pairs), TARGET_GENERATE_VS_LLAMA_CPP))
+    cells = [f"{label} {value:.2f}x (>= {target:g}x) {'PASS' if value >= target else 'MISS'}" for label, value, target in parts]
     return [f"- {model}, {ours}/llama.cpp in {len(mine)} alternating rounds (speed ratio, median): " + "; ".join(cells)]
 
 
