@@ -37,7 +37,9 @@ What is measured, with the same token ids for every backend (`prompt_ids`):
     dense_prefill    kernels backends: whether block-32 prefill matmuls took `dense_prefill` (a CPU
                      with bfloat16 dot products, not switched off)
     compile_s        kernels-compiled: seconds of each compile of the decode step, by "batch x cache
-                     positions"
+                     positions" (its first call: a stored step's load, where it was loaded)
+    loaded           kernels-compiled: the "batch x cache positions" whose step was loaded from the
+                     stored steps (torch 2.15 on, `stored_steps`) instead of compiled
 """
 
 from __future__ import annotations
@@ -375,7 +377,9 @@ def compile_record(model) -> dict:
 
     rec = compiled_decode.record(model)
     compiles = rec.compiles if rec else {}
+    loaded = rec.stored.loaded if rec and rec.stored is not None else {}
     return {"compile_s": {f"{batch} x {positions}": seconds for (batch, positions), seconds in compiles.items()},
+            "loaded": [f"{batch} x {positions}" for (batch, positions), *_ in loaded],
             "compile_failure": rec.failure if rec else None}
 
 
@@ -383,7 +387,9 @@ def describe_compiles(result: dict) -> str:
     """kernels-compiled: one line on its decode step's compiles (or why it decoded eagerly)."""
     if result.get("compile_failure"):
         return f"compiling the decode step failed, decoded eagerly: {result['compile_failure']}"
-    shapes = ", ".join(f"batch {shape} positions: {s:.0f} s" for shape, s in result.get("compile_s", {}).items())
+    loaded = result.get("loaded", [])
+    shapes = ", ".join(f"batch {shape} positions: {s:.1f} s{' (loaded from the stored steps)' if shape in loaded else ''}"
+                       for shape, s in result.get("compile_s", {}).items())
     return f"decode step compiled once per model and shape, not timed ({shapes})"
 
 

@@ -17,8 +17,8 @@ from tools.models import make_gguf
 pytestmark = pytest.mark.slow  # a fresh process per command, whole models
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "ggml_kernels_integration", *args], capture_output=True, text=True,
                           env=env, timeout=600)
 
@@ -49,15 +49,23 @@ def test_bench_json(tiny):
     assert res["kernel_calls"].get("ggml_quantization::mul_mat_vec", 0) > 0
 
 
-def test_bench_compiled_decode_reports_its_compile(tiny):
+def test_bench_compiled_decode_reports_its_compile(tiny, tmp_path):
     """kernels-compiled: the runner's decode steps and generate() share one compile (both on a static
-    cache of compiled_decode.MIN_CACHE_POSITIONS), reported, not timed."""
-    proc = cli("bench", "--gguf", tiny, "--backend", "kernels-compiled", "--prompt-tokens", "9", "--decode-tokens",
+    cache of compiled_decode.MIN_CACHE_POSITIONS), reported, not timed; where steps are stored (torch
+    2.15 on), the next process reports its step loaded."""
+    from ggml_kernels_integration import bench, stored_steps
+
+    command = ("bench", "--gguf", tiny, "--backend", "kernels-compiled", "--prompt-tokens", "9", "--decode-tokens",
                "3", "--repeats", "1", "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
-    assert res["decode_tok_s"] > 0 and res["generate_tok_s"] > 0 and res["compile_failure"] is None, res
-    assert list(res["compile_s"]) == ["1 x 256"] and res["compile_s"]["1 x 256"] > 0, res["compile_s"]
+    env = {stored_steps.ENV: str(tmp_path / "steps")}
+    runs = [cli(*command, env=env)] + ([cli(*command, env=env)] if stored_steps.enabled() else [])
+    for i, proc in enumerate(runs):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads(proc.stdout)
+        assert res["decode_tok_s"] > 0 and res["generate_tok_s"] > 0 and res["compile_failure"] is None, res
+        assert list(res["compile_s"]) == ["1 x 256"] and res["compile_s"]["1 x 256"] > 0, res["compile_s"]
+        assert res["loaded"] == (["1 x 256"] if i else []), res
+        assert ("loaded from the stored steps" in bench.describe_compiles(res)) == bool(i)
 
 
 def test_bad_file(tmp_path):
