@@ -1,5 +1,6 @@
-"""Packed GGUF matrix products at Qwen3.5 linear shapes: decode (M = 1, 8) and prefill (M = 16, 64, 512),
-against ggml's own op and transformers' CPU paths.
+"""Packed GGUF matrix products at Qwen3.5 linear shapes: decode and short prompts (M = 1, 8; 2 and 4
+on the two largest shapes, ours and ggml's op only) and prefill (M = 16, 64, 512), against ggml's own
+op and transformers' CPU paths.
 
     kernels benchmark ./packages/ggml-quantization          # a local build
     kernels benchmark ggml-org/ggml-quantization@v1         # the published one
@@ -66,6 +67,8 @@ MATVEC = {1: [(1024, 3584)]} if QUICK else {m: [(1024, 1024), (3584, 1024), (102
 MATMAT = {64: [(1024, 3584)]} if QUICK else {16: [(3584, 1024), (1024, 3584)],
                                              64: [(3584, 1024), (1024, 3584), (9216, 2560)],
                                              512: [(3584, 1024), (1024, 3584)]}
+# the rows between 1 and 8 (a short prompt's) on the largest shapes: ours against ggml's op only
+BETWEEN = {} if QUICK else {m: [(2560, 9216), (9216, 2560)] for m in (2, 4)}
 # mul_mat's dense path against ggml's kernel around its thresholds (dense_prefill.MIN_ROWS)
 BLOCK_32_TYPES = ["Q4_1"] if QUICK else ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 THRESHOLDS = {32: [(1024, 3584)]} if QUICK else {m: [(3584, 1024)] for m in (32, 64, 96, 128)}
@@ -397,6 +400,11 @@ for _t in TYPES:
             for _n, _k in _shapes:
                 for _cls in _classes:
                     _add(_cls, _t, _n, _k, _m)
+for _t in TYPES:
+    for _m, _shapes in BETWEEN.items():
+        for _n, _k in _shapes:
+            for _cls in [c for c in MATVEC_CLASSES if c is MulMatVec or c.__name__.endswith("_ggml")]:
+                _add(_cls, _t, _n, _k, _m)
 for _t in BLOCK_32_TYPES:
     for _m, _shapes in THRESHOLDS.items():
         for _n, _k in _shapes:
