@@ -22,6 +22,7 @@ cache under /tmp, which a reboot cleans: loading a step whose libraries are gone
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -175,9 +176,12 @@ def inductor_files():
     """A context in which inductor keeps its files (generated code, its C++ kernels' libraries) in
     the store's `inductor` folder: a stored step names those libraries by hash and loads them from
     inductor's cache, which by default lies in /tmp, cleaned at a reboot: without them a load
-    compiles the step's C++ kernels anew (10 s instead of 1.4 s, SmolLM2)."""
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
+    compiles the step's C++ kernels anew (10 s instead of 1.4 s, SmolLM2). inductor's own cache where
+    torch has no `temporary_cache_dir` (a private helper of torch 2.15)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    except ImportError:
+        return contextlib.nullcontext()
     return temporary_cache_dir(str(folder() / "inductor"))
 
 

@@ -541,3 +541,15 @@ def test_steps_are_stored_only_from_torch_2_15_and_not_when_switched_off(monkeyp
     assert not stored_steps.enabled()
     monkeypatch.setenv(stored_steps.ENV, "/some/folder")
     assert str(stored_steps.folder()) == "/some/folder"
+
+
+def test_inductor_files_fall_back_to_inductors_own_cache(monkeypatch):
+    """Where torch lacks the private helper that points inductor at the store, steps are compiled and
+    loaded with inductor's own cache (a load may then compile C++ again), not refused."""
+    import contextlib
+    import sys
+
+    from ggml_kernels_integration import stored_steps
+
+    monkeypatch.setitem(sys.modules, "torch._inductor.runtime.cache_dir_utils", None)  # its import raises
+    assert isinstance(stored_steps.inductor_files(), contextlib.nullcontext)
