@@ -175,9 +175,9 @@ def load(model, path: Path):
 def inductor_files():
     """A context in which inductor keeps its files (generated code, its C++ kernels' libraries) in
     the store's `inductor` folder: a stored step names those libraries by hash and loads them from
-    inductor's cache, which by default lies in /tmp, cleaned at a reboot: without them a load
-    compiles the step's C++ kernels anew (10 s instead of 1.4 s, SmolLM2). inductor's own cache where
-    torch has no `temporary_cache_dir` (a private helper of torch 2.15)."""
+    inductor's cache, which by default lies in /tmp, cleaned at a reboot (the module docstring says
+    what that costs). inductor's own cache where torch has no `temporary_cache_dir` (a private
+    helper of torch 2.15)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
     except ImportError:
