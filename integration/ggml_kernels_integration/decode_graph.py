@@ -10,7 +10,12 @@ becomes one `mul_mat_group` node, placed where the first of them was, each old n
 its part. `mul_mat_group` is bit-identical to the separate calls, so nothing else changes.
 
 It runs as inductor's `post_grad_custom_post_pass` (`inductor_options`): on the functional aten graph,
-after inductor's own passes, before lowering. Its `uuid` keys inductor's on-disk graph cache.
+after inductor's own passes, before lowering. Its `uuid` keys inductor's on-disk graph cache, and so
+also carries the vector instructions inductor writes its C++ for (`vector_isa`), which that key
+leaves out (torch 2.13 and 2.15): a graph generated for AVX-512 was served from the cache to a
+process that generates for AVX2 (ATEN_CPU_CAPABILITY=avx2, or one cache folder shared by two CPUs),
+which compiled the AVX-512 code with AVX2's vector width: the tiny llama's compiled decode steps
+came out 40-49 % off the eager ones; the other way round, the process died of heap corruption.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ compat.needs(
     ("torch._inductor.custom_graph_pass", "CustomGraphPass", None),
     ("torch._inductor.config", "post_grad_custom_post_pass", None),
     ("torch._inductor.config", "size_asserts", None),
+    ("torch._inductor.cpu_vec_isa", "pick_vec_isa", ()),
 )
 
 # views that leave the activation's values as they are: siblings may each get their own view of it
@@ -88,7 +94,15 @@ class SiblingProducts(CustomGraphPass):
 
     def uuid(self) -> str:
         source = Path(__file__).read_bytes()
-        return hashlib.sha256(source + f"{self.mul_mat_vec}|{self.mul_mat_group}".encode()).hexdigest()
+        return hashlib.sha256(source + f"{self.mul_mat_vec}|{self.mul_mat_group}|{vector_isa()}".encode()).hexdigest()
+
+
+def vector_isa() -> str:
+    """The vector instructions inductor generates C++ for in this process: the CPU's best, or
+    ATEN_CPU_CAPABILITY's ("avx512", "avx2", "" for none)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa())
 
 
 def inductor_options(quant) -> dict:

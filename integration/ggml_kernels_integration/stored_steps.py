@@ -214,7 +214,8 @@ class StoredSteps:
         return step(self.model, **kwargs)
 
     def _step(self, shape: tuple, kwargs: dict):
-        path = folder() / f"{key(self.model, kwargs, options_id(self.inductor))}.step"
+        with inductor_files():  # the options' vector-ISA probe (`decode_graph.vector_isa`) compiles C++ too
+            path = folder() / f"{key(self.model, kwargs, options_id(self.inductor))}.step"
         if path.is_file():
             start = time.perf_counter()
             try:

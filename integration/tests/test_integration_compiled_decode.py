@@ -493,6 +493,43 @@ print("RESULT" + json.dumps({
 """
 
 
+# one process's compiled steps against its eager ones, with the vector instructions inductor wrote for
+VECTOR_ISA = LOAD + """
+from ggml_kernels_integration import decode_graph
+tokens, logits, cache = gen()
+gk.enable(compile_decode=False)
+static = gen(cache_implementation="static")
+print("RESULT" + json.dumps({
+    "isa": decode_graph.vector_isa(), "cache": cache, "failure": compiled_decode.record(model).failure,
+    "same_tokens_static": tokens == static[0], "rel_static": rel(logits, static[1]),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_shared_inductor_cache_serves_no_step_written_for_other_vector_instructions(tmp_path_factory, tmp_path):
+    """inductor's graph cache key leaves out the vector instructions its C++ is written for
+    (`decode_graph`'s docstring): two processes generating for AVX-512 and for AVX2
+    (ATEN_CPU_CAPABILITY), one after the other in one inductor folder and step store, in both orders.
+    Each compiles its own graph: its compiled steps equal its eager ones (without the vector ISA in
+    the pass's uuid, AVX2 after AVX-512 was 40-49 % off and AVX-512 after AVX2 died of heap corruption)."""
+    from ggml_kernels_integration import decode_graph
+
+    if not decode_graph.vector_isa().startswith("avx512"):
+        pytest.skip("needs a CPU for which inductor writes AVX-512 code (and can write AVX2 code)")
+    model = tmp_path / "llama-tiny.gguf"
+    write_tiny_llama(model)
+    for order in (["avx512", "avx2"], ["avx2", "avx512"]):
+        shared = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor")),
+                  "GGML_KERNELS_COMPILED_STEPS": str(tmp_path_factory.mktemp("steps"))}
+        for capability in order:
+            res = run(VECTOR_ISA, "llama-tiny", tmp_path_factory, path=model,
+                      env={**shared, "ATEN_CPU_CAPABILITY": capability})
+            assert res["isa"].split()[0] == capability, res
+            assert res["cache"] == "StaticCache" and res["failure"] is None, res
+            assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, (order, res)
+
+
 def _stores_steps() -> bool:
     from ggml_kernels_integration import stored_steps
 
