@@ -228,7 +228,8 @@ def bench(session: nox.Session) -> None:
     Then ours against ggml's own op, same process, alternating rounds (tools/bench/versus_ggml.py):
     bench-results/versus-ggml.md. Also bench-results/metal-emu.md: ops on the emulated Metal device
     (tools/bench/metal_emu.py).
-    -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those; -- --threads N.
+    -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those; -- --threads N;
+    -- --only REGEX: the ours-vs-ggml rounds' workloads whose `<Op>.<workload>` it matches.
     -- --check: only the ours-vs-ggml rounds, exiting non-zero where a product (ggml-quantization) or
     norm (ggml-norm) workload is below 0.95x ggml on this machine (a verdict to run on a new CPU)."""
     _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
@@ -237,10 +238,11 @@ def bench(session: nox.Session) -> None:
     quick, check = "--quick" in session.posargs, "--check" in session.posargs
     options = [a for a in session.posargs if a in ("--quick", "--check")]
     wanted = [a for a in session.posargs if a not in options]
-    if "--threads" in wanted:  # both sides' thread count, for the ours-vs-ggml rounds
-        at = wanted.index("--threads")
-        options += wanted[at:at + 2]
-        del wanted[at:at + 2]
+    for flag in ("--threads", "--only"):  # the ours-vs-ggml rounds' options with a value
+        if flag in wanted:
+            at = wanted.index(flag)
+            options += wanted[at:at + 2]
+            del wanted[at:at + 2]
     packages = [p.parent.name for p in sorted((REPO / "packages").glob("*/benchmarks"))]
     out = REPO / "bench-results"
     out.mkdir(exist_ok=True)

@@ -166,7 +166,7 @@ def test_only_products_and_norms_are_judged():
 def synthetic(monkeypatch, tmp_path):
     """main() on made-up rows: run_package returns what the test sets, nothing is timed."""
     results: dict[str, list[vg.Row]] = {}
-    monkeypatch.setattr(vg, "run_package", lambda package, settings, log=None: results.get(package, []))
+    monkeypatch.setattr(vg, "run_package", lambda package, settings, log=None, only=None: results.get(package, []))
     monkeypatch.setattr(ggml_ctypes, "available", lambda: True)
     monkeypatch.setenv(vg.QUICK_ENV, "0")  # restored (unset) afterwards, though main() sets it
     return results
@@ -221,10 +221,23 @@ def test_threads_option_sets_torchs_threads(synthetic):
 
 def test_quick_sets_the_scripts_quick_mode(synthetic, monkeypatch):
     seen = {}
-    monkeypatch.setattr(vg, "run_package", lambda package, settings, log=None: seen.setdefault("s", settings) and [])
+    monkeypatch.setattr(vg, "run_package", lambda package, settings, log=None, only=None: seen.setdefault("s", settings) and [])
     vg.main(["ggml-attn", "--quick"])
     assert seen["s"] == vg.QUICK
     assert os.environ[vg.QUICK_ENV] == "1"
+
+
+def test_only_times_the_workloads_it_matches(synthetic, monkeypatch):
+    pair = vg.Pair("MulMatVec", object, object, ["q4_k_9216x2560_m1", "q4_k_9216x2560_m16", "q8_0_1024x1024_m8"])
+    assert vg.selected(pair, None) == pair.workloads
+    assert vg.selected(pair, vg._pattern(r"MulMatVec\.q4_k_.*_m(1|8)$")) == ["q4_k_9216x2560_m1"]
+    seen = {}
+    monkeypatch.setattr(vg, "run_package", lambda package, settings, log=None, only=None: seen.setdefault("only", only) and [])
+    vg.main(["ggml-attn", "--only", "_m8$"])
+    assert seen["only"].pattern == "_m8$"
+    with pytest.raises(SystemExit) as e:
+        vg.main(["ggml-attn", "--only", "(unclosed"])
+    assert e.value.code == 2
 
 
 def test_markdown_names_the_machine():

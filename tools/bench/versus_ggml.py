@@ -18,7 +18,9 @@ clock change lands on both sides. Reported per workload: the median over rounds 
 (ggml-quantization) or norm (ggml-norm) workload is below 0.95x ggml; the other ops are reported and
 not judged. --quick (or GGML_KERNELS_BENCH_QUICK=1) runs the scripts' quick workloads and fewer,
 shorter rounds. Both sides run on torch's thread count (`--threads` sets it), which the ggml classes
-pass to their graphs.
+pass to their graphs. --only REGEX times the workloads whose `<Op>.<workload>` it matches (searched),
+e.g. the 40 one-to-eight-row products on two shapes:
+`--only 'MulMatVec[.]q(4_0|4_1|4_k|6_k|8_0)_(9216x2560|2560x9216)_m[1248]$'`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -245,12 +248,17 @@ def measure(pair: Pair, kernel, workload: str, settings: Settings) -> Row:
     return Row("", pair.op, workload, timing.ours_median, timing.ggml_median, timing.ratio, settings.rounds, calls)
 
 
+def selected(pair: Pair, only: re.Pattern | None) -> list[str]:
+    """The pair's workloads whose `<Op>.<workload>` `only` matches (all where it is None)."""
+    return [w for w in pair.workloads if only is None or only.search(f"{pair.op}.{w}")]
+
+
 def scripts(package: str) -> list[Path]:
     return sorted((REPO / "packages" / package / "benchmarks").glob("benchmark*.py"))
 
 
-def run_package(package: str, settings: Settings, log=sys.stderr) -> list[Row]:
-    """Every (op, workload) pair of the package's scripts, measured."""
+def run_package(package: str, settings: Settings, log=sys.stderr, only: re.Pattern | None = None) -> list[Row]:
+    """Every (op, workload) pair of the package's scripts (`only`'s: `selected`), measured."""
     from kernels import get_local_kernel
 
     # the CPU build, also under a CUDA build of torch (whose default backend would be its CUDA one)
@@ -258,7 +266,7 @@ def run_package(package: str, settings: Settings, log=sys.stderr) -> list[Row]:
     rows = []
     for script in scripts(package):
         for pair in pair_classes(load_script(script)):
-            for workload in pair.workloads:
+            for workload in selected(pair, only):
                 row = measure(pair, kernel, workload, settings)
                 row.package = package
                 print(f"  {package} {pair.op}.{workload}: ours {row.ours_ms:.4f} ms, ggml {row.ggml_ms:.4f} ms, "
@@ -324,6 +332,13 @@ def packages_with_benchmarks() -> list[str]:
     return sorted(p.parent.name for p in (REPO / "packages").glob("*/benchmarks"))
 
 
+def _pattern(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
+
+
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(prog="python -m tools.bench.versus_ggml", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -335,6 +350,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--threshold", type=float, default=THRESHOLD, help="the verdict's ggml / ours floor (0.95)")
     ap.add_argument("--output", type=Path, help="write the markdown here too")
     ap.add_argument("--command", help="the command quoted in the caption (default: this one)")
+    ap.add_argument("--only", type=_pattern, metavar="REGEX", help="the workloads whose <Op>.<workload> it matches")
     args = ap.parse_args(argv)
     unknown = set(args.packages) - set(packages_with_benchmarks())
     if unknown:
@@ -365,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"versus ggml: ggml's own ops are unavailable ({ggml_ctypes.unavailable_reason()})", file=sys.stderr)
         return 2
     info = machine()
-    rows = [row for package in packages for row in run_package(package, settings)]
+    rows = [row for package in packages for row in run_package(package, settings, only=args.only)]
     unjudged = [p for p in packages if p in JUDGED and not any(r.package == p for r in rows)]
     if unjudged:
         print(f"versus ggml: nothing to judge in {', '.join(unjudged)} (no <Op>_ggml class pairs)", file=sys.stderr)
