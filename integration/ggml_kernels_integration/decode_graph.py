@@ -99,7 +99,7 @@ class SiblingProducts(CustomGraphPass):
 
 def vector_isa() -> str:
     """The vector instructions inductor generates C++ for in this process: the CPU's best, or
-    ATEN_CPU_CAPABILITY's ("avx512", "avx2", "" for none)."""
+    ATEN_CPU_CAPABILITY's: "avx512 avx512_vnni" on the zen4 CPU, "avx2", "INVALID_VEC_ISA" for none."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     return str(pick_vec_isa())
