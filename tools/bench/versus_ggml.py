@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for package in packages for row in run_package(package, settings, only=args.only)]
     unjudged = [p for p in packages if p in JUDGED and not any(r.package == p for r in rows)]
     if unjudged:
-        print(f"versus ggml: nothing to judge in {', '.join(unjudged)} (no <Op>_ggml class pairs)", file=sys.stderr)
+        print(f"versus ggml: nothing to judge in {', '.join(unjudged)} (no <Op>_ggml class pairs, or none --only matches)", file=sys.stderr)
         return 2
     command = args.command or "python -m tools.bench.versus_ggml " + " ".join(argv if argv is not None else sys.argv[1:])
     table = markdown(rows, info, command.strip(), args.threshold)
