@@ -15,7 +15,7 @@ also carries the vector instructions inductor writes its C++ for (`vector_isa`),
 leaves out (torch 2.13 and 2.15): a graph generated for AVX-512 was served from the cache to a
 process that generates for AVX2 (ATEN_CPU_CAPABILITY=avx2, or one cache folder shared by two CPUs),
 which compiled the AVX-512 code with AVX2's vector width: the tiny llama's compiled decode steps
-came out 40-49 % off the eager ones; the other way round, the process died of heap corruption.
+came out 37-49 % off the eager ones; the other way round, the process died of heap corruption.
 """
 
 from __future__ import annotations
