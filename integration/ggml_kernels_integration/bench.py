@@ -221,10 +221,13 @@ class StaticCompiledRunner(TransformersRunner):
     def decode(self, cache, token, steps: int):
         import torch
 
-        for _ in range(steps):
-            out = self.step(input_ids=token, past_key_values=cache, use_cache=True,
-                            cache_position=torch.tensor([self.position]))
-            self.position, token = self.position + 1, out.logits[:, -1].argmax(-1, keepdim=True)
+        from . import stored_steps
+
+        with stored_steps.one_generation():
+            for _ in range(steps):
+                out = self.step(input_ids=token, past_key_values=cache, use_cache=True,
+                                cache_position=torch.tensor([self.position]))
+                self.position, token = self.position + 1, out.logits[:, -1].argmax(-1, keepdim=True)
         return cache, token
 
 

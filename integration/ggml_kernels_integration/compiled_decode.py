@@ -18,7 +18,7 @@ The graph is compiled once per model and shape (batch size, cache length), each 
 own (`decode_step`: not shared through dynamo's per-function cache), and a full `enable()` after
 `disable()` compiles anew. dynamo's guards on the model's module attributes are left out
 (`keep_guard`): checked before every step, they cost 0.6-1.4 ms (4-8 % of a SmolLM2 step); its
-weights' tensor guards stay. transformers sizes a static cache for the longest generation asked so
+weights' tensor guards stay (a stored step's are checked once per generate(), `stored_steps.one_generation`). transformers sizes a static cache for the longest generation asked so
 far, so each longer call (a chat's next turn) would compile again; the cache length is rounded up to
 a power of two of at least `MIN_CACHE_POSITIONS` (`cache_positions`), so a model compiles once per
 doubling. The seconds of each compile are kept per model, logged, and shown by `summary(model)`. A
@@ -327,7 +327,8 @@ def install(patches, quant) -> None:
             kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
             token = _sizing.set(True)
             try:
-                return original(self, *args, **kwargs)
+                with stored_steps.one_generation():
+                    return original(self, *args, **kwargs)
             finally:
                 _sizing.reset(token)
 

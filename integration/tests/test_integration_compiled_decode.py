@@ -480,11 +480,14 @@ tokens, logits, cache = gen()
 rec = compiled_decode.record(model)
 loaded = list(rec.stored.loaded.values()) if rec.stored is not None else None
 describe = rec.describe()
+checks = [rec.stored.guard_checks]
+gen()
+checks.append(rec.stored.guard_checks)
 gk.enable(compile_decode=False)
 static = gen(cache_implementation="static")
 folder = stored_steps.folder()
 print("RESULT" + json.dumps({
-    "cache": cache, "failure": rec.failure, "loaded": loaded, "describe": describe,
+    "cache": cache, "failure": rec.failure, "loaded": loaded, "describe": describe, "guard_checks": checks,
     "files": {p.name: p.stat().st_size for p in folder.glob("*.step")},
     "libraries": len(list((folder / "inductor").rglob("*.so"))),
     "own_libraries": len(list(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so"))),
@@ -561,6 +564,7 @@ def test_a_stored_step_is_loaded_by_the_next_process_and_a_damaged_one_compiled_
         assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, res
         assert res["tokens"] == runs[0]["tokens"]
         assert list(res["files"]) == [name], res["files"]
+        assert res["guard_checks"] == [1, 2], res  # once per generate() of 11 decode steps
     assert runs[0]["loaded"] == [] and runs[2]["loaded"] == [], runs
     assert len(runs[1]["loaded"]) == 1 and "1 loaded from" in runs[1]["describe"], runs[1]
     assert runs[2]["files"][name] > 1000  # stored anew over the damaged file (~1.4 MB)
@@ -590,3 +594,50 @@ def test_inductor_files_fall_back_to_inductors_own_cache(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch._inductor.runtime.cache_dir_utils", None)  # its import raises
     assert isinstance(stored_steps.inductor_files(), contextlib.nullcontext)
+
+
+class _CountedStep:
+    """A stand-in for a stored step: counts its guard checks, passes them while `passes`."""
+
+    def __init__(self) -> None:
+        self.checks, self.passes = 0, True
+
+    def guard_check(self, model, **kwargs) -> bool:
+        self.checks += 1
+        return self.passes
+
+    def __call__(self, model, **kwargs) -> str:
+        return "stored"
+
+
+def test_a_stored_steps_guards_are_checked_once_per_generation_and_inputs_layout():
+    """Inside `one_generation` a step's guards are checked on its first call and where the inputs'
+    layout changes; outside one, on every call; a failed check runs the fallback and checks again."""
+    import torch
+    from ggml_kernels_integration import stored_steps
+
+    step = _CountedStep()
+    steps = stored_steps.StoredSteps(None, lambda **kw: "fallback", lambda kw: (1, 256), None, None)
+    steps.steps[((1, 256), torch.is_grad_enabled(), torch.is_inference_mode_enabled())] = step
+    ids, cache = torch.zeros(1, 1, dtype=torch.long), object()
+
+    def call(**changes):  # a mask of Qwen3.5's form: a new dict each step
+        masks = {"full_attention": torch.ones(1, 1, 1, 8, dtype=torch.bool), "linear_attention": None}
+        return steps(**{"input_ids": ids, "past_key_values": cache, "attention_mask": masks, "use_cache": True,
+                        **changes})
+
+    assert [call(), call()] == ["stored", "stored"] and step.checks == 2  # no generation: every call
+    with stored_steps.one_generation():
+        assert [call(), call(), call()] == ["stored"] * 3 and step.checks == 3
+        call(input_ids=torch.zeros(1, 1, dtype=torch.int32))  # another layout: checked
+        call(past_key_values=object())  # another cache object: checked
+        call(use_cache=False)
+        call(use_cache=False, attention_mask={"full_attention": torch.ones(1, 1, 1, 16, dtype=torch.bool)})
+        assert step.checks == 7
+        step.passes = False
+        assert call() == "fallback" and call() == "fallback" and step.checks == 9
+        step.passes = True
+        assert [call(), call()] == ["stored", "stored"] and step.checks == 10
+    with stored_steps.one_generation():  # the next generation checks anew
+        call(), call()
+    assert step.checks == 11 and steps.guard_checks == 11
