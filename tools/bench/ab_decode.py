@@ -31,6 +31,9 @@ Features:
               attributes left out) vs the same graph with all of dynamo's guards
     compile-cpp-wrapper
               compiled decode steps with inductor's Python wrapper (ours) vs its C++ wrapper
+    compile-stored-guards
+              stored compiled steps (torch >= 2.15) with their guards checked once per generation
+              (`stored_steps.one_generation`) vs on every step
     compile-graph-pass
               compiled decode steps with `decode_graph.inductor_options` (sibling products as one
               mul_mat_group call, no size assert per op output) vs inductor's defaults
@@ -216,11 +219,35 @@ def _switch_compile_graph_pass(model, positions: int):
     return _against_compiled(model, positions, inductor={})
 
 
+def _switch_compile_stored_guards(model, positions: int):
+    """Stored steps with their guards checked once per generation (on) against on every step (off):
+    one runner, `stored_steps.one_generation` swapped for a context that marks no generation."""
+    import contextlib
+
+    import torch
+    from ggml_kernels_integration import bench, compiled_decode, stored_steps
+
+    if not stored_steps.enabled():
+        raise SystemExit("compile-stored-guards: steps are stored from torch 2.15 on (and not with "
+                         f"{stored_steps.ENV}=0)")
+    runner = bench.StaticCompiledRunner(model, positions)
+    with torch.inference_mode():
+        runner.decode(*runner.prefill([1, 2, 3]), 2)  # the first step compiles or loads
+    print(f"compiled decode: {compiled_decode.record(model).describe()}")
+    once = stored_steps.one_generation
+
+    def use(on: bool):
+        stored_steps.one_generation = once if on else contextlib.nullcontext
+        return runner
+
+    return use
+
+
 FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _switch_linear, "gated-mlp": _switch_gated_mlp,
             "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights,
             "huge-pages": _switch_huge_pages, "compiled-decode": _switch_compiled_decode,
             "compile-guards": _switch_compile_guards, "compile-cpp-wrapper": _switch_compile_cpp_wrapper,
-            "compile-graph-pass": _switch_compile_graph_pass}
+            "compile-graph-pass": _switch_compile_graph_pass, "compile-stored-guards": _switch_compile_stored_guards}
 
 
 def main() -> None:
