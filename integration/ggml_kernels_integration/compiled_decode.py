@@ -18,10 +18,11 @@ The graph is compiled once per model and shape (batch size, cache length), each 
 own (`decode_step`: not shared through dynamo's per-function cache), and a full `enable()` after
 `disable()` compiles anew. dynamo's guards on the model's module attributes are left out
 (`keep_guard`): checked before every step, they cost 0.6-1.4 ms (4-8 % of a SmolLM2 step); its
-weights' tensor guards stay (a stored step's are checked once per generate(), `stored_steps.one_generation`). transformers sizes a static cache for the longest generation asked so
-far, so each longer call (a chat's next turn) would compile again; the cache length is rounded up to
-a power of two of at least `MIN_CACHE_POSITIONS` (`cache_positions`), so a model compiles once per
-doubling. The seconds of each compile are kept per model, logged, and shown by `summary(model)`. A
+weights' tensor guards stay (a stored step checks its guards once per generate():
+`stored_steps.one_generation`). transformers sizes a static cache for the longest generation asked
+so far, so each longer call (a chat's next turn) would compile again; the cache length is rounded up
+to a power of two of at least `MIN_CACHE_POSITIONS` (`cache_positions`), so a model compiles once
+per doubling. The seconds of each compile are kept per model, logged, and shown by `summary(model)`. A
 compile that fails (dynamo or inductor raises before the graph runs, so nothing was written into the
 cache) falls back to the eager forward for that step and the model's later generations, with one
 warning; so does a model whose step needs a graph break (`fullgraph`).
