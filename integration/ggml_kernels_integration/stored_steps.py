@@ -136,7 +136,8 @@ def one_generation():
 def _inputs_layout(value) -> object:
     """A step's inputs (`kwargs`), cheaply: tensors by dtype, shape, strides and grad, plain values as
     they are, dicts, lists and tuples by their items (Qwen3.5's masks come as a dict per layer type),
-    other objects (the cache) by identity."""
+    other objects (the cache) by identity. `_layout` describes them for `key`, across processes (a
+    cache by its layers' tensors); this compares two steps of one process, every step."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.shape, value.stride(), value.requires_grad
     if isinstance(value, (bool, int, float, str, type(None))):
