@@ -12,8 +12,9 @@ kernel_testing.point_hub_ids_at_local_builds()
 
 @pytest.fixture(scope="session", autouse=True)
 def _compiled_steps_in_a_temporary_folder(tmp_path_factory):
-    """Compiled decode steps the tests store (integration's `stored_steps`, torch >= 2.15) go to a
-    folder of this run (the processes the tests start inherit it), not the user's cache."""
+    """Compiled decode steps the tests store (integration's `stored_steps` and `packaged_steps`, torch
+    >= 2.15) go to a folder of this run (the processes the tests start inherit it), not the user's
+    cache."""
     import os
 
     if "GGML_KERNELS_COMPILED_STEPS" not in os.environ:

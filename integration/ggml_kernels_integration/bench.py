@@ -380,9 +380,9 @@ def compile_record(model) -> dict:
 
     rec = compiled_decode.record(model)
     compiles = rec.compiles if rec else {}
-    loaded = rec.stored.loaded if rec and rec.stored is not None else {}
+    loaded = rec.loaded_shapes() if rec else set()
     return {"compile_s": {f"{batch} x {positions}": seconds for (batch, positions), seconds in compiles.items()},
-            "loaded": [f"{batch} x {positions}" for (batch, positions), *_ in loaded],
+            "loaded": [f"{batch} x {positions}" for batch, positions in sorted(loaded)],
             "compile_failure": rec.failure if rec else None}
 
 

@@ -13,7 +13,9 @@ caller chose no cache, cache implementation, compile config or assistant of thei
 `cache_implementation="static"` and `COMPILE_CONFIG` (transformers still runs the prefill eagerly).
 The default, "auto", does so only where the compile pays for itself (`repays_a_compile`): a
 generate() asking for `AUTO_MIN_NEW_TOKENS` new tokens or more, and every generate() of a model that
-has compiled a step already.
+has compiled a step already; and where the step costs no compile (`stored_fit`): a generate() whose
+step is stored as a package (`packaged_steps`, torch 2.15 on), which then takes a stored package's
+cache length and compiles nothing.
 The graph is compiled once per model and shape (batch size, cache length), each model's graphs its
 own (`decode_step`: not shared through dynamo's per-function cache), and a full `enable()` after
 `disable()` compiles anew. dynamo's guards on the model's module attributes are left out
@@ -49,9 +51,12 @@ paid in every new process), 17-18 s for a graph inductor has not seen (34-94 s o
 a compiled step saves 2.8-3.9 ms (SmolLM2, the 0.8B shape), so it repays itself after 1,800-6,500
 tokens, not in a chat turn's few hundred. Lighter backends gain nothing: `backend="eager"`
 (dynamo only) 1.05x, `"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
-From torch 2.15 on, each step is compiled ahead of time and stored (`stored_steps`): a later process
-loads it in ~1.3-1.4 s instead (the first compile takes ~20 s that way). "auto" still waits for a
-long generate() before it compiles or loads.
+From torch 2.15 on, each step is exported and compiled by AOTInductor into a package and stored
+(`packaged_steps`: 28-34 s once on SmolLM2 and the 0.8B shape): a later process loads it in ~10 ms
+and runs it without dynamo or guards (SmolLM2 generate() 1.36-1.41x eager), and "auto" decodes every
+generate() whose step is stored that way. Steps that cannot be exported are compiled ahead of time by
+dynamo and stored (`stored_steps`: loaded in ~1.3-1.4 s, which "auto" does not count on); the
+`torch.compile` above is the last resort.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ import warnings
 
 import torch
 
-from . import compat, decode_graph, stored_steps
+from . import compat, decode_graph, packaged_steps, stored_steps
 
 # generate()'s static cache and compile config, its compiled forward
 compat.needs(
@@ -92,7 +97,11 @@ MIN_CACHE_POSITIONS = 256
 # mode: enable()'s compile_decode; installs: full enable()s so far (a step compiled under others is not
 # reused); quant: the ggml-quantization kernel of the enable() in force (`decode_graph`)
 _state = {"mode": DEFAULT, "installs": 0, "quant": None}
-_sizing = contextvars.ContextVar("ggml_kernels_compiled_generate", default=False)  # in a generate() that `applies`
+# in a generate() that `applies`: the cache lengths it may take (`cache_positions`), () for any
+_sizing = contextvars.ContextVar("ggml_kernels_compiled_generate", default=None)
+# whether a step shape with no stored package may be compiled now (False: a generate() that "auto" let
+# decode compiled only because its step was stored, see `plan`)
+_may_compile = contextvars.ContextVar("ggml_kernels_may_compile", default=True)
 # what the caller may have chosen: any of these in generate()'s arguments or the model's generation
 # config leaves the cache and compilation to them
 _CALLER_CHOICES = ("past_key_values", "cache_implementation", "compile_config", "disable_compile", "assistant_model",
@@ -117,7 +126,7 @@ def mode() -> bool | str:
 class Record:
     """A model's compiled decode: compile seconds per shape, and why it fell back to eager, if it did."""
 
-    __slots__ = ("compiles", "failure", "step", "installs", "stored")
+    __slots__ = ("compiles", "failure", "step", "installs", "stored", "packaged")
 
     def __init__(self) -> None:
         self.compiles: dict[tuple, float] = {}  # (batch, cache length) -> seconds of the first step
@@ -125,12 +134,27 @@ class Record:
         self.step = None  # the `guarded` compiled call of `compile_config()` (`decode_step`)
         self.installs = -1  # _state["installs"] when `step` was made
         self.stored = None  # the `stored_steps.StoredSteps` behind `step`, where steps are stored
+        self.packaged = None  # the `packaged_steps.PackagedSteps` in front of it, where steps are packaged
+
+    def loaded_shapes(self) -> set[tuple]:
+        """The (batch, cache length) shapes whose step was loaded from the store, not compiled here."""
+        stored = {shape for shape, *_ in self.stored.loaded} if self.stored is not None else set()
+        packaged = set(self.packaged.loaded) - set(self.packaged.exported) if self.packaged is not None else set()
+        return stored | packaged
+
+    def compiled_here(self) -> bool:
+        """Whether a decode step of the model was compiled in this process (not only loaded from a
+        stored package or run eagerly for want of one)."""
+        packaged = self.packaged
+        absent = {shape for shape, *_ in packaged.absent} if packaged is not None else set()
+        return any(packaged is None or shape in packaged.exported
+                   or (shape not in packaged.loaded and shape not in absent) for shape in self.compiles)
 
     def describe(self) -> str:
         if self.failure:
             return f"compiled decode failed, eager instead ({self.failure})"
         shapes = ", ".join(f"batch {b} x {n} positions: {s:.1f} s" for (b, n), s in self.compiles.items())
-        loaded = len(self.stored.loaded) if self.stored is not None else 0
+        loaded = len(self.loaded_shapes())
         stored = f"; {loaded} loaded from {stored_steps.folder()}" if loaded else ""
         return f"compiled decode steps ({shapes}{stored})" if shapes else ""
 
@@ -154,43 +178,71 @@ def _is_packed_cpu_model(model) -> bool:
 
 
 def applies(model, args: tuple, kwargs: dict) -> bool:
-    """Whether `model.generate(*args, **kwargs)` should decode compiled: switched on (under "auto":
-    `repays_a_compile`), a packed CPU model that has not failed to compile, and nothing the caller
-    chose about caches or compiling."""
+    """Whether `model.generate(*args, **kwargs)` should decode compiled (`plan`)."""
+    return plan(model, args, kwargs) is not None
+
+
+def plan(model, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """How `model.generate(*args, **kwargs)` decodes: None for eagerly; compiled where switched on, on
+    a packed CPU model that has not failed to compile, with nothing the caller chose about caches or
+    compiling. Then the static cache lengths it may take: () for any (`cache_positions`), compiling
+    what is not stored; under "auto" that where `repays_a_compile`, else the lengths of the stored
+    packages that fit the generation (`stored_fit`; none: None), and nothing is compiled."""
     if _state["mode"] is False:
-        return False
+        return None
     rec = record(model)
     if rec is not None and rec.failure:
-        return False
+        return None
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     if any(kwargs.get(name) is not None for name in _CALLER_CHOICES):
-        return False
+        return None
     if config is not None and (config.cache_implementation is not None or config.compile_config is not None):
-        return False
-    if _state["mode"] == "auto" and not repays_a_compile(rec, config, args, kwargs):
-        return False
-    return _is_packed_cpu_model(model)
+        return None
+    if not _is_packed_cpu_model(model):
+        return None
+    if _state["mode"] is True or repays_a_compile(rec, config, args, kwargs):
+        return ()
+    return stored_fit(model, config, args, kwargs) or None
+
+
+def _batch_and_new_tokens(config, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
+    """(batch, prompt length, new tokens) a generate() asks for, where its arguments say."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is None:
+        length = kwargs.get("max_length", getattr(config, "max_length", None))
+        new = None if length is None else length - ids.shape[1]
+    return None if new is None else (ids.shape[0], ids.shape[1], new)
 
 
 def repays_a_compile(rec: Record | None, config, args: tuple, kwargs: dict) -> bool:
     """Under "auto": the model compiled a decode step already (the cost is paid), or this generate()
     asks for at least `AUTO_MIN_NEW_TOKENS` new tokens over its batch."""
-    if rec is not None and rec.compiles:
+    if rec is not None and rec.compiled_here():
         return True
-    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        return False
-    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    if new is None:
-        length = kwargs.get("max_length", getattr(config, "max_length", None))
-        new = None if length is None else length - ids.shape[1]
-    return new is not None and new * ids.shape[0] >= AUTO_MIN_NEW_TOKENS
+    asked = _batch_and_new_tokens(config, args, kwargs)
+    return asked is not None and asked[0] * asked[2] >= AUTO_MIN_NEW_TOKENS
 
 
-def cache_positions(needed: int) -> int:
+def stored_fit(model, config, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The cache lengths of the model's stored step packages (`packaged_steps`) for this generate()'s
+    batch that hold its prompt and new tokens: a compiled decode that costs no compile."""
+    asked = _batch_and_new_tokens(config, args, kwargs)
+    if asked is None or not packaged_steps.enabled() or not packaged_steps.any_stored():
+        return ()
+    decode_step(model)
+    batch, prompt, new = asked
+    return tuple(n for n in _record_of(model).packaged.stored_positions(batch) if n >= cache_positions(prompt + new))
+
+
+def cache_positions(needed: int, choices: tuple[int, ...] = ()) -> int:
     """The static cache length a compiled generate() needing `needed` positions gets: the next power
-    of two, at least `MIN_CACHE_POSITIONS`. ggml-attn skips the masked positions of a longer cache."""
-    return max(MIN_CACHE_POSITIONS, 1 << max(0, int(needed) - 1).bit_length())
+    of two, at least `MIN_CACHE_POSITIONS`, or the shortest of `choices` that long (a stored step's).
+    ggml-attn skips the masked positions of a longer cache."""
+    length = max(MIN_CACHE_POSITIONS, 1 << max(0, int(needed) - 1).bit_length())
+    return min((n for n in choices if n >= length), default=length)
 
 
 def compile_config():
@@ -238,9 +290,12 @@ def decode_step(model):
         rec.compiles.clear()
         options = inductor_options()
         compiled = compile_model(model, COMPILE_CONFIG, inductor=options)
-        rec.stored = None
+        rec.stored = rec.packaged = None
         if stored_steps.enabled() and COMPILE_CONFIG["backend"] == "inductor":  # the store's own compile
             compiled = rec.stored = stored_steps.StoredSteps(model, compiled, _shape, keep_guard, options)
+        if packaged_steps.enabled() and COMPILE_CONFIG["backend"] == "inductor":
+            compiled = rec.packaged = packaged_steps.PackagedSteps(model, compiled, model.__call__, _may_compile.get,
+                                                                   options)
         rec.step, rec.installs = guarded(model, compiled, model.__call__), _state["installs"]
     return rec.step
 
@@ -296,7 +351,8 @@ def guarded(model, compiled, eager):
             return eager(*args, **kwargs)
         if first:
             rec.compiles[shape] = time.perf_counter() - start
-            LOGGER.info("ggml-kernels: compiled %s's decode step for batch %s, %s cache positions in %.1f s",
+            how = "loaded the stored" if shape in rec.loaded_shapes() else "compiled"
+            LOGGER.info("ggml-kernels: %s %s's decode step for batch %s, %s cache positions in %.2f s", how,
                         type(model).__name__, shape[0], shape[1], rec.compiles[shape])
         return out
 
@@ -323,23 +379,26 @@ def install(patches, quant) -> None:
 
     def make_generate(original):
         def generate(self, *args, **kwargs):
-            if not applies(self, args, kwargs):
+            lengths = plan(self, args, kwargs)
+            if lengths is None:
                 return original(self, *args, **kwargs)
             kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
-            token = _sizing.set(True)
+            tokens = _sizing.set(lengths), _may_compile.set(not lengths)
             try:
                 with stored_steps.one_generation():
                     return original(self, *args, **kwargs)
             finally:
-                _sizing.reset(token)
+                _sizing.reset(tokens[0])
+                _may_compile.reset(tokens[1])
 
         generate.__doc__ = original.__doc__
         return generate
 
     def make_prepare_static_cache(original):
         def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs):
-            if _sizing.get():
-                max_cache_len = cache_positions(max_cache_len)
+            lengths = _sizing.get()
+            if lengths is not None:
+                max_cache_len = cache_positions(max_cache_len, lengths)
             return original(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs)
 
         return _prepare_static_cache

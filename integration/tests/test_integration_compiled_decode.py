@@ -323,7 +323,8 @@ def test_compiled_steps_group_the_sibling_products(compiled):
 
 @pytest.mark.slow  # one compile
 def test_auto_compiles_once_a_generate_is_long_enough_and_from_then_on(tmp_path_factory):
-    res = run(AUTO, "qwen35-tiny", tmp_path_factory)
+    steps = tmp_path_factory.mktemp("steps")  # empty: no stored step package lets "auto" decode compiled
+    res = run(AUTO, "qwen35-tiny", tmp_path_factory, env={"GGML_KERNELS_COMPILED_STEPS": str(steps)})
     assert res["short_cache"] == res["too_short_cache"] == "DynamicCache" and res["untouched"], res
     assert res["long_cache"] == res["after_cache"] == "StaticCache" and res["compiles"] == 1, res
     assert res["same_tokens_after"] and max(res["rel_after"]) < 0.005, res
@@ -550,7 +551,7 @@ def test_a_stored_step_is_loaded_by_the_next_process_and_a_damaged_one_compiled_
     write_tiny_llama(model)
 
     def stored_run() -> dict:
-        env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps"),
+        env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps"), "GGML_KERNELS_PACKAGED_STEPS": "0",
                "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
         return run(STORED, "llama-tiny", tmp_path_factory, path=model, env=env)
 
@@ -568,6 +569,145 @@ def test_a_stored_step_is_loaded_by_the_next_process_and_a_damaged_one_compiled_
     assert runs[0]["loaded"] == [] and runs[2]["loaded"] == [], runs
     assert len(runs[1]["loaded"]) == 1 and "1 loaded from" in runs[1]["describe"], runs[1]
     assert runs[2]["files"][name] > 1000  # stored anew over the damaged file (~1.4 MB)
+
+
+# step packages on (torch >= 2.15), compile_decode MODE: True loads the step of this model and shape
+# from its package or exports and packages it; "auto" decodes a short generate() compiled only where
+# the package is stored; the same generate() eagerly on a static cache after
+PACKAGED = LOAD + """
+from ggml_kernels_integration import stored_steps
+padded_x = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(1))
+padded_mask = torch.ones_like(padded_x)
+padded_mask[1, :3] = 0  # the second prompt is 7 tokens, left-padded
+
+def gen_padded(**kwargs):
+    with torch.inference_mode():
+        out = model.generate(padded_x, attention_mask=padded_mask, **{**KW, **kwargs})
+    return out.sequences.tolist(), torch.stack(out.logits, 1)
+
+gk.enable(compile_decode=MODE)
+tokens, logits, cache = gen()
+padded = gen_padded()
+rec = compiled_decode.record(model)
+packaged = {"loaded": sorted(rec.packaged.loaded), "exported": sorted(rec.packaged.exported),
+            "compiled_here": rec.compiled_here(), "dynamo_steps": len(rec.stored.steps) if rec.stored else 0}
+describe = rec.describe()
+gk.enable(compile_decode=False)
+static = gen(cache_implementation="static")
+padded_static = gen_padded(cache_implementation="static")
+print("RESULT" + json.dumps({
+    "cache": cache, "failure": rec.failure, "packaged": packaged, "describe": describe,
+    "files": {p.name: p.stat().st_size for p in stored_steps.folder().glob("*.pt2")},
+    "tokens": tokens, "same_tokens_static": tokens == static[0], "rel_static": rel(logits, static[1]),
+    "same_padded": padded[0] == padded_static[0], "rel_padded": max(max(r) for r in rel(padded[1], padded_static[1])),
+}))
+"""
+
+
+def _packages_steps() -> bool:
+    from ggml_kernels_integration import packaged_steps
+
+    return packaged_steps.enabled()
+
+
+@pytest.mark.skipif(not _packages_steps(), reason="decode steps are packaged from torch 2.15 on")
+def test_a_packaged_step_is_loaded_by_the_next_process_and_serves_auto(tmp_path_factory, tmp_path):
+    """The first process exports the steps (one row; two, one of them left-padded) into packages and
+    stores them; the next loads them (no export, no dynamo step) and decodes the same tokens, and so
+    does one under "auto" asking for short generate()s, which compiles nothing; a damaged package is
+    exported anew. Each against the eager steps on a static cache, within the bounds above."""
+    model = tmp_path / "llama-tiny.gguf"
+    write_tiny_llama(model)
+
+    def packaged_run(mode) -> dict:
+        env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps"),
+               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+        return run(f"MODE = {mode!r}\n" + PACKAGED, "llama-tiny", tmp_path_factory, path=model, env=env)
+
+    runs = [packaged_run(True), packaged_run(True), packaged_run("auto")]
+    names = sorted(runs[0]["files"])
+    (one_row,) = [name for name in names if "-1x256-" in name]
+    (tmp_path / "steps" / one_row).write_bytes(b"not a package")
+    runs.append(packaged_run(True))
+    shapes = [[1, 256], [2, 256]]
+    for res in runs:
+        assert res["cache"] == "StaticCache" and res["failure"] is None, res
+        assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, res
+        assert res["same_padded"] and res["rel_padded"] < 0.005, res
+        assert res["tokens"] == runs[0]["tokens"] and sorted(res["files"]) == names and len(names) == 2, res
+        assert res["packaged"]["loaded"] == shapes and res["packaged"]["dynamo_steps"] == 0, res
+    assert [res["packaged"]["exported"] for res in runs] == [shapes, [], [], [[1, 256]]], runs
+    assert [res["packaged"]["compiled_here"] for res in runs] == [True, False, False, True], runs
+    assert "2 loaded from" in runs[1]["describe"], runs[1]
+
+
+def test_a_packaged_steps_arguments_are_served_or_left_to_the_fallback():
+    """What a package serves (`packaged_steps._split`): one token per row over a cache, tensors (and
+    dicts of masks) as inputs, plain values as constants; not several tokens, no cache, other objects,
+    hidden states or attentions asked for, tuples instead of a dict."""
+    import torch
+    from ggml_kernels_integration import packaged_steps
+
+    class Cache:
+        layers = [object()]
+
+    ids, cache = torch.zeros(1, 1, dtype=torch.long), Cache()
+    mask = {"full_attention": torch.ones(1, 1, 1, 8, dtype=torch.bool), "linear_attention": None}
+    split = packaged_steps._split({"input_ids": ids, "past_key_values": cache, "attention_mask": mask,
+                                   "position_ids": ids, "use_cache": True, "logits_to_keep": 1})
+    assert split is not None and split[0] is cache
+    assert set(split[1]) == {"input_ids", "attention_mask", "position_ids"}
+    assert split[2] == {"use_cache": True, "logits_to_keep": 1}
+    refused = [{"input_ids": torch.zeros(1, 2, dtype=torch.long), "past_key_values": cache},
+               {"input_ids": ids},
+               {"input_ids": ids, "past_key_values": cache, "output_hidden_states": True},
+               {"input_ids": ids, "past_key_values": cache, "return_dict": False},
+               {"input_ids": ids, "past_key_values": cache, "other": object()}]
+    assert [packaged_steps._split(kwargs) for kwargs in refused] == [None] * len(refused)
+
+
+def test_a_step_without_a_package_runs_eagerly_unless_compiling_is_asked_for(monkeypatch):
+    """`PackagedSteps` where no package serves a call: the eager forward while no compile is asked for
+    (compiled decode's "auto" on a stored package), looked up once; the compiled fallback once it is."""
+    import torch
+    from ggml_kernels_integration import packaged_steps
+
+    class Layer:
+        max_cache_len = 256
+
+    class Cache:
+        layers = [Layer()]
+
+    allowed, tries = [False], []
+    steps = packaged_steps.PackagedSteps(None, lambda **kw: "fallback", lambda **kw: "eager", lambda: allowed[0], None)
+    monkeypatch.setattr(steps, "_step", lambda shape, *rest: tries.append(shape))  # no package: None
+    kwargs = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": Cache(), "use_cache": True}
+    assert [steps(**kwargs), steps(**kwargs)] == ["eager", "eager"] and tries == [(1, 256)]
+    assert steps(**kwargs, output_hidden_states=True) == "eager"  # no package serves it, nothing compiled
+    allowed[0] = True
+    assert [steps(**kwargs), steps(**kwargs)] == ["fallback", "fallback"] and len(tries) == 2
+    assert steps(**kwargs, output_hidden_states=True) == "fallback"
+
+
+def test_a_cache_layers_tensors_are_named_with_their_dict_and_list_items():
+    import torch
+    from ggml_kernels_integration import packaged_steps
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.length, self.conv_states = torch.zeros(2), 3, {0: torch.zeros(1), 1: None}
+            self.recurrent_states = [torch.zeros(1)]
+
+    names = packaged_steps._layer_tensors(4, Layer())
+    assert list(names) == ["cache_4_keys", "cache_4_conv_states_0", "cache_4_recurrent_states_0"]
+
+
+@pytest.mark.parametrize(("needed", "choices", "length"), [(22, (), 256), (22, (512, 256), 256), (300, (256, 2048), 2048),
+                                                           (300, (256,), 512)])
+def test_a_generate_takes_the_shortest_stored_cache_that_holds_it(needed, choices, length):
+    from ggml_kernels_integration import compiled_decode
+
+    assert compiled_decode.cache_positions(needed, choices) == length
 
 
 def test_steps_are_stored_only_from_torch_2_15_and_not_when_switched_off(monkeypatch):
