@@ -37,6 +37,11 @@ Features:
     compile-graph-pass
               compiled decode steps with `decode_graph.inductor_options` (sibling products as one
               mul_mat_group call, no size assert per op output) vs inductor's defaults
+    compile-packaged
+              compiled decode steps as AOTInductor packages (torch >= 2.15, `packaged_steps`) vs stored
+              dynamo steps (`stored_steps`); both exported / compiled or loaded before the rounds
+The compile-* features but compile-packaged compare dynamo-compiled steps: they switch the packages
+off (GGML_KERNELS_PACKAGED_STEPS=0) for the whole process.
     repack-weights
               ggml_kernels_integration.repacking (`enable(repack_weights=True)`: Q4_0 / Q4_K / IQ4_NL /
               MXFP4 linears in ggml-cpu's repacked layout) vs the GGUF layout
@@ -48,6 +53,7 @@ Features:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import types
@@ -219,6 +225,35 @@ def _switch_compile_graph_pass(model, positions: int):
     return _against_compiled(model, positions, inductor={})
 
 
+def _switch_compile_packaged(model, positions: int):
+    """Compiled steps as packages (on, `compiled_decode`'s own) against stored dynamo steps (off: a
+    `stored_steps.StoredSteps` over the same torch.compile fallback), each loaded or made before the
+    rounds."""
+    import torch
+    from ggml_kernels_integration import bench, compiled_decode, packaged_steps, stored_steps
+
+    if not (packaged_steps.enabled() and stored_steps.enabled()):
+        raise SystemExit("compile-packaged: steps are packaged and stored from torch 2.15 on (and not with "
+                         f"{packaged_steps.ENV}=0 or {stored_steps.ENV}=0)")
+    ours, theirs = bench.StaticCompiledRunner(model, positions), bench.StaticCompiledRunner(model, positions)
+    options = compiled_decode.inductor_options()
+    fallback = compiled_decode.compile_model(model, compiled_decode.COMPILE_CONFIG, inductor=options)
+    stored = stored_steps.StoredSteps(model, fallback, compiled_decode._shape, compiled_decode.keep_guard, options)
+    theirs.step = compiled_decode.guarded(model, stored, model.__call__)
+    with torch.inference_mode():
+        for name, runner in (("on", ours), ("off", theirs)):
+            start = time.perf_counter()
+            runner.decode(*runner.prefill([1, 2, 3]), 2)  # the first step exports / compiles or loads
+            print(f"compiled decode ({name}): prefill and first two steps {time.perf_counter() - start:.1f} s")
+    rec = compiled_decode.record(model)
+    print(f"packaged: loaded {rec.packaged.loaded}, exported {rec.packaged.exported}; stored: loaded {stored.loaded}")
+
+    def use(on: bool):
+        return ours if on else theirs
+
+    return use
+
+
 def _switch_compile_stored_guards(model, positions: int):
     """Stored steps with their guards checked once per generation (on) against on every step (off):
     one runner, `stored_steps.one_generation` swapped for a context that marks no generation."""
@@ -247,7 +282,8 @@ FEATURES = {"kv-cache": _switch_kv_cache, "rotary": _switch_rotary, "linear": _s
             "dense-prefill": _switch_dense_prefill, "repack-weights": _switch_repack_weights,
             "huge-pages": _switch_huge_pages, "compiled-decode": _switch_compiled_decode,
             "compile-guards": _switch_compile_guards, "compile-cpp-wrapper": _switch_compile_cpp_wrapper,
-            "compile-graph-pass": _switch_compile_graph_pass, "compile-stored-guards": _switch_compile_stored_guards}
+            "compile-graph-pass": _switch_compile_graph_pass, "compile-stored-guards": _switch_compile_stored_guards,
+            "compile-packaged": _switch_compile_packaged}
 
 
 def main() -> None:
@@ -262,8 +298,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from ggml_kernels_integration import bench
+    from ggml_kernels_integration import bench, packaged_steps
 
+    if args.feature.startswith("compile-") and args.feature != "compile-packaged":
+        os.environ[packaged_steps.ENV] = "0"  # they compare dynamo-compiled steps
     bench.setup_transformers(kernels_on=True)
     model, _ = bench.load_transformers_model(args.gguf, "float32")
     if args.feature == "compiled-decode":
