@@ -28,8 +28,10 @@ Packages live in the stored steps' folder (`stored_steps.folder()`), named by th
 plain attributes, software, CPU, threads), the step's shape and the hash of its inputs' layout, so
 that a generate() can tell whether its step is stored before it starts (`stored_positions`, which
 compiled decode's "auto" reads). Off where torch is older than `MIN_TORCH` or
-GGML_KERNELS_PACKAGED_STEPS is 0: under torch 2.13 the exported SmolLM2 step ran and decoded other
-tokens than the eager one from the fourth on (not looked into further).
+GGML_KERNELS_PACKAGED_STEPS is 0: under torch 2.13 a package's steps wrote the static cache's filled
+length (`cumulative_length`, a 0-d buffer the step adds one to) on their first call only, so every
+later step wrote its keys to the same row and the tokens parted from the eager ones after a few
+steps (tiny llama, SmolLM2).
 """
 
 from __future__ import annotations
