@@ -79,7 +79,7 @@ def silence_kernel_mapping_warnings() -> None:
     logging.getLogger("kernels").setLevel(logging.ERROR)
 
 
-def setup_transformers(kernels_on: bool, repack_weights: bool = False, compile_decode: bool = False) -> None:
+def setup_transformers(kernels_on: bool, repack_weights: bool = False, compile_decode: bool | str = False) -> None:
     """Make this process load GGUF files with our kernels (`enable()`: packed weights, repacked with
     `repack_weights`, decode steps compiled with `compile_decode`) or with transformers alone (every
     weight dequantized to a dense tensor at load). Process-wide and final: call once, before the first

@@ -1,14 +1,17 @@
 """Run or measure a GGUF model with transformers on ggml-kernels (`ggml-kernels`, `python -m ggml_kernels_integration`).
 
     python -m ggml_kernels_integration generate --gguf FILE --prompt TEXT [--max-new-tokens N]
-        [--chat] [--no-kernels] [--dtype float32|bfloat16] [--threads N]
+        [--chat] [--no-kernels] [--dtype float32|bfloat16] [--threads N] [--compile-decode auto|on|off]
     python -m ggml_kernels_integration bench --gguf FILE --backend kernels|transformers-f32|transformers-bf16|llama.cpp
         [--prompt-tokens 64 512] [--decode-tokens 128] [--repeats N] [--threads N] [--json]
 
 generate: loads the file with transformers on our kernels (or, with --no-kernels, transformers alone,
 which dequantizes every weight), streams the greedy continuation to stdout as it comes and ends
 with one summary line on stderr (prompt tokens, prefill and decode tokens/s, load time, peak RSS).
-Progress messages go to stderr too, so stdout holds only the generated text.
+Progress messages go to stderr too, so stdout holds only the generated text. --compile-decode is
+`enable(compile_decode=...)`: "auto" (the default) decodes compiled where that costs nothing (a step
+stored by an earlier run, torch 2.15 on) or repays itself; "on" compiles (and stores) the step, so
+that later runs of the same model decode compiled under "auto"; "off" never.
 
 bench: measures one backend on one file in this process (see `ggml_kernels_integration.bench`);
 --json prints the result as one JSON object on stdout.
@@ -58,6 +61,8 @@ def _prompt_text(text: str) -> str:
 
 
 THREADS = _bounded_int(1, bench.MAX_THREADS)
+# --compile-decode -> enable()'s compile_decode
+COMPILE_DECODE = {"auto": "auto", "on": True, "off": False}
 TOKENS = _bounded_int(1, validate.MAX_CONTEXT_LENGTH)  # then bounded by the file's context (_check_against_file)
 REPEATS = _bounded_int(1, bench.MAX_REPEATS)
 
@@ -76,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                      help="compute dtype; bfloat16 only with --no-kernels (our kernels compute in float32)")
     gen.add_argument("--threads", type=THREADS, default=None, help="CPU threads, 1 to 512 (default: torch's)")
+    gen.add_argument("--compile-decode", choices=tuple(COMPILE_DECODE), default="auto",
+                     help="compiled decode steps: auto (where stored or repaid), on (compile and store), off")
 
     ben = commands.add_parser("bench", help="measure load, prefill, decode and peak memory of one backend")
     ben.add_argument("--gguf", type=Path, required=True, help="the GGUF model file")
@@ -126,11 +133,13 @@ def generate(args) -> int:
     kernels_on = not args.no_kernels
     if kernels_on and args.dtype != "float32":
         raise ValueError("--dtype bfloat16 needs --no-kernels: our kernels compute in float32")
+    if not kernels_on and args.compile_decode == "on":
+        raise ValueError("--compile-decode on compiles our kernels' decode steps: drop --no-kernels")
     if args.threads:
         torch.set_num_threads(args.threads)
     _stage(f"{path.name}: transformers {'on ggml-kernels' if kernels_on else 'alone (dequantized ' + args.dtype + ')'}, "
            f"{torch.get_num_threads()} threads")
-    bench.setup_transformers(kernels_on)
+    bench.setup_transformers(kernels_on, compile_decode=COMPILE_DECODE[args.compile_decode])
     from transformers import AutoTokenizer
 
     _stage("loading the tokenizer")
@@ -155,12 +164,23 @@ def generate(args) -> int:
                        do_sample=False, streamer=streamer, pad_token_id=pad)
     times = streamer.token_times
     n_prompt = input_ids.shape[1]
+    compiled = _compiled_decode(model) if kernels_on else ""
+    if compiled:
+        _stage(compiled)
     prefill = f"{n_prompt / (times[0] - start):.1f} tok/s" if times else "-"
     decode = f"{(len(times) - 1) / (times[-1] - times[0]):.1f} tok/s" if len(times) > 1 else "-"
     print(f"prompt {n_prompt} tokens | prefill {prefill} | decode {decode} ({len(times)} tokens) | "
           f"load {load_s:.1f} s | peak RSS {bench.peak_rss_mib():.0f} MiB | kernels: {'on' if kernels_on else 'off'}",
           file=sys.stderr, flush=True)
     return 0
+
+
+def _compiled_decode(model) -> str:
+    """What the model's compiled decode did, if anything (`compiled_decode.Record.describe`)."""
+    from . import compiled_decode
+
+    rec = compiled_decode.record(model)
+    return rec.describe() if rec is not None else ""
 
 
 def run_bench(args) -> int:

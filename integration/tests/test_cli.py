@@ -40,6 +40,28 @@ def test_generate(tiny, kernels):
     assert "loading the model" in proc.stderr  # the progress stages
 
 
+def test_generate_compiles_its_decode_step_for_later_runs(tiny, tmp_path):
+    """--compile-decode on compiles the decode step (stored from torch 2.15 on); a later run under the
+    default "auto" then decodes on the stored step without compiling; every run streams the same text
+    (compiled steps equal eager ones on the tiny model)."""
+    from ggml_kernels_integration import packaged_steps, stored_steps
+
+    env = {stored_steps.ENV: str(tmp_path / "steps")}
+    command = ("generate", "--gguf", tiny, "--prompt", "Once upon a time", "--max-new-tokens", "6")
+    on, auto, off = (cli(*command, "--compile-decode", mode, env=env) for mode in ("on", "auto", "off"))
+    for proc in (on, auto, off):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert on.stdout == auto.stdout == off.stdout and on.stdout.strip()
+    assert "compiled decode steps (batch 1 x 256 positions" in on.stderr, on.stderr[-3000:]
+    if packaged_steps.enabled():
+        assert "1 loaded from" in auto.stderr and "compiled" in auto.stderr, auto.stderr[-3000:]
+    else:
+        assert "compiled decode steps" not in auto.stderr, auto.stderr[-3000:]
+    assert "compiled decode steps" not in off.stderr
+    refused = cli(*command, "--no-kernels", "--compile-decode", "on")
+    assert refused.returncode == 2 and "drop --no-kernels" in refused.stderr, refused.stderr[-3000:]
+
+
 def test_bench_json(tiny):
     proc = cli("bench", "--gguf", tiny, "--backend", "kernels", "--prompt-tokens", "9", "--decode-tokens", "3",
                "--repeats", "1", "--json")
@@ -92,6 +114,7 @@ def test_bad_file(tmp_path):
          "needs 4,200 positions; "),
         (("bench", "--backend", "kernels", "--repeats", "0"), "argument --repeats: 0 is out of range: it must be 1 to 1,000"),
         (("generate", "--max-new-tokens", "5000"), "--max-new-tokens 5000 needs 5,000 positions; "),
+        (("generate", "--compile-decode", "maybe"), "argument --compile-decode: invalid choice: 'maybe'"),
     ],
 )
 def test_arguments_out_of_bounds_are_usage_errors(tiny, args, message):
