@@ -295,7 +295,7 @@ def decode_step(model):
             compiled = rec.stored = stored_steps.StoredSteps(model, compiled, _shape, keep_guard, options)
         if packaged_steps.enabled() and COMPILE_CONFIG["backend"] == "inductor":
             compiled = rec.packaged = packaged_steps.PackagedSteps(model, compiled, model.__call__, _may_compile.get,
-                                                                   options)
+                                                                   _shape, options)
         rec.step, rec.installs = guarded(model, compiled, model.__call__), _state["installs"]
     return rec.step
 

@@ -65,8 +65,7 @@ def enabled() -> bool:
     not switched off."""
     if os.environ.get(ENV) == "0":
         return False
-    version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
-    return version >= MIN_TORCH and hasattr(torch._inductor, "aoti_load_package")
+    return stored_steps.torch_at_least(MIN_TORCH) and hasattr(torch._inductor, "aoti_load_package")
 
 
 def fingerprint(model, options: str) -> str:
@@ -188,11 +187,12 @@ class PackagedSteps:
     each step's package, by shape and arguments' layout, loaded or exported and stored; `fallback` for
     calls no package serves (`_split`, a failed export). `may_export()` says whether compiling is
     asked for now; where it is not (compiled decode's "auto" on a stored package), a step without a
-    package runs `fallback_without_compile` (the eager forward) instead of exporting or compiling."""
+    package runs `fallback_without_compile` (the eager forward) instead of exporting or compiling.
+    `shape_of` gives a call's (batch, cache length), as compiled decode records its steps."""
 
-    def __init__(self, model, fallback, fallback_without_compile, may_export, inductor: dict | None):
+    def __init__(self, model, fallback, fallback_without_compile, may_export, shape_of, inductor: dict | None):
         self.model, self.fallback, self.eager = model, fallback, fallback_without_compile
-        self.may_export, self.inductor = may_export, inductor
+        self.may_export, self.shape_of, self.inductor = may_export, shape_of, inductor
         self.options = stored_steps.options_id(inductor)
         self.steps: dict[tuple, _Loaded | None] = {}  # (shape, layout) -> the package, None: fallback
         self.loaded: dict[tuple, float] = {}  # shape (batch, positions) -> seconds its package took to load
@@ -209,7 +209,7 @@ class PackagedSteps:
 
     def __call__(self, *args, **kwargs):
         split = None if args else _split(kwargs)
-        step = None if split is None else self._package_for(kwargs["input_ids"].shape[0], *split)
+        step = None if split is None else self._package_for(self.shape_of(kwargs), *split)
         if step is None:  # no package serves it: the fallback's compiled step, unless no compile is asked for
             return (self.fallback if self.may_export() else self.eager)(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -217,10 +217,9 @@ class PackagedSteps:
         cache, tensors, _ = split
         return CausalLMOutputWithPast(logits=step.run(cache, tensors), past_key_values=cache)
 
-    def _package_for(self, batch: int, cache, tensors: dict, plain: dict) -> _Loaded | None:
+    def _package_for(self, shape: tuple, cache, tensors: dict, plain: dict) -> _Loaded | None:
         """The package of this step's shape and arguments' layout, loaded or exported the first time
         (`_step`); None where there is none (tried again once exports are allowed)."""
-        shape = (batch, max((getattr(layer, "max_cache_len", 0) or 0 for layer in cache.layers), default=0))
         which = (shape, stored_steps._inputs_layout(tensors), tuple(sorted(plain.items())))
         if which in self.steps:
             return self.steps[which]

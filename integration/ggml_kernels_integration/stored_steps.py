@@ -48,12 +48,16 @@ _OUR_OP_LIBRARIES = re.compile(r"^_(ggml_|topk)")
 _MODULE_GLOBAL = re.compile(r"^___module_(.+)_\d+_c\d+$")
 
 
+def torch_at_least(version: tuple[int, int]) -> bool:
+    """torch's (major, minor) is `version` or later."""
+    return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) >= version
+
+
 def enabled() -> bool:
     """torch has the ahead-of-time compile that loads back (>= `MIN_TORCH`) and the store is not off."""
     if os.environ.get(ENV) == "0":
         return False
-    version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
-    return version >= MIN_TORCH and hasattr(torch._dynamo, "aot_compile")
+    return torch_at_least(MIN_TORCH) and hasattr(torch._dynamo, "aot_compile")
 
 
 def folder() -> Path:

@@ -670,7 +670,7 @@ def test_a_step_without_a_package_runs_eagerly_unless_compiling_is_asked_for(mon
     """`PackagedSteps` where no package serves a call: the eager forward while no compile is asked for
     (compiled decode's "auto" on a stored package), looked up once; the compiled fallback once it is."""
     import torch
-    from ggml_kernels_integration import packaged_steps
+    from ggml_kernels_integration import compiled_decode, packaged_steps
 
     class Layer:
         max_cache_len = 256
@@ -679,7 +679,8 @@ def test_a_step_without_a_package_runs_eagerly_unless_compiling_is_asked_for(mon
         layers = [Layer()]
 
     allowed, tries = [False], []
-    steps = packaged_steps.PackagedSteps(None, lambda **kw: "fallback", lambda **kw: "eager", lambda: allowed[0], None)
+    steps = packaged_steps.PackagedSteps(None, lambda **kw: "fallback", lambda **kw: "eager", lambda: allowed[0],
+                                         compiled_decode._shape, None)
     monkeypatch.setattr(steps, "_step", lambda shape, *rest: tries.append(shape))  # no package: None
     kwargs = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": Cache(), "use_cache": True}
     assert [steps(**kwargs), steps(**kwargs)] == ["eager", "eager"] and tries == [(1, 256)]
