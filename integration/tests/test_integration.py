@@ -131,8 +131,21 @@ with torch.inference_mode():  # inference tensors reach the kernels' worker thre
         batch_logits = model(batch, attention_mask=mask, position_ids=positions).logits
         alone = [model(torch.tensor([ids])).logits[0], model(torch.tensor([short])).logits[0]]
         batch_gen = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=pad)[:, len(ids):]
-        alone_gen = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):] for p in (ids, short)]
-        return batch_logits, alone, batch_gen, alone_gen
+        alone_out = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True) for p in (ids, short)]
+        alone_gen = [o.sequences[0, len(p):] for o, p in zip(alone_out, (ids, short))]
+        margins = [tie_margin(b, a, o.logits) for b, a, o in zip(batch_gen, alone_gen, alone_out)]
+        return batch_logits, alone, batch_gen, alone_gen, margins
+
+    def tie_margin(batch_tokens, alone_tokens, alone_logits):
+        # None where the greedy tokens agree; else how close to a tie the prompt alone was at the
+        # first differing token: its top-2 logit margin over its largest logit
+        differ = (batch_tokens[: len(alone_tokens)] != alone_tokens).nonzero()
+        if not len(differ):
+            return None
+        step = alone_logits[int(differ[0])][0]
+        top2 = step.topk(2).values
+        return ((top2[0] - top2[1]) / step.abs().max()).item()
 
     # The batch's 48 rows and the prompts' 24 and 9 rows must take the same matmul path: all on
     # ggml's mul_mat, then (on a bfloat16 CPU) all on dense_prefill, forced down to 9 rows.
@@ -165,8 +178,9 @@ res = {
     "gen": gen, "llama_gen": llama_gen,
     "cache_rel": rel(cached, uncached),
     "cache_top1": bool(torch.equal(cached.argmax(-1), uncached.argmax(-1))),
-    "pad_rel": [max(rel(b[0], a[0]), rel(b[1, len(ids) - len(short):], a[1])) for b, a, _, _ in pad_runs],
-    "pad_gen": [[bool(torch.equal(bg[i], ag[i])) for i in range(2)] for _, _, bg, ag in pad_runs],
+    "pad_rel": [max(rel(b[0], a[0]), rel(b[1, len(ids) - len(short):], a[1])) for b, a, _, _, _ in pad_runs],
+    "pad_gen": [[bool(torch.equal(bg[i], ag[i])) for i in range(2)] for _, _, bg, ag, _ in pad_runs],
+    "pad_margin": [margins for *_, margins in pad_runs],
     # the same prompt alone on dense_prefill (forced down to 9 rows) against ggml's path
     "dense_vs_ggml_rel": rel(pad_runs[1][1][0], pad_runs[0][1][0]),
     "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -230,16 +244,24 @@ def test_cached_decode_equals_uncached_forward(run):
 
 def test_left_padded_batch_equals_prompts_alone(run):
     """On ggml's mul_mat every row is computed alone: the batch equals its prompts (1e-4: float32
-    summation order in attention). dense_prefill's bfloat16 GEMM may pick another kernel for another
-    row count (oneDNN on AMX CPUs; measured pad_rel 1.2e-2 on SmolLM2 there, 0 on AVX512-BF16 without
-    AMX), moving an output entry by one bfloat16 step (packages/ggml-quantization/tests/test_dense_prefill.py); that
-    is held to stay below the path's own distance from ggml's for the same prompt, and the greedy
-    tokens to be the same."""
+    summation order in attention) and generates the same greedy tokens. dense_prefill's bfloat16
+    GEMM may pick another kernel for another row count, and does so by shape too (oneDNN on AMX CPUs:
+    on an Intel Xeon the same rows gave other bits at 9-32 rows than at 33-199 for a 1536x576 weight,
+    at 33-333 than at 700 for 576x1536; every row count alike on an AVX512-BF16 CPU without AMX),
+    moving an output entry by a bfloat16 step (packages/ggml-quantization/tests/test_dense_prefill.py).
+    Calls of a fixed row count would remove that at 1.5-2.2x the GEMM's time, so the path guarantees
+    what the test holds it to: the batch's logits no farther from its prompts' than the path's own
+    distance from ggml's for the same prompt, and a greedy token different only where the prompt
+    alone was within that distance of a tie (its top-2 logit margin, over its largest logit, at the
+    first differing token; measured on SmolLM2 there: 5.9e-4, against the bound 0.11)."""
     _, res = run
     ggml_rel, dense_rel = res["pad_rel"]
+    bound = max(1e-4, res["dense_vs_ggml_rel"])
     assert ggml_rel < 1e-4, res["pad_rel"]
-    assert dense_rel < max(1e-4, res["dense_vs_ggml_rel"]), (res["pad_rel"], res["dense_vs_ggml_rel"])
-    assert res["pad_gen"] == [[True, True], [True, True]]
+    assert dense_rel < bound, (res["pad_rel"], res["dense_vs_ggml_rel"])
+    assert res["pad_gen"][0] == [True, True], res["pad_gen"]
+    for same, margin in zip(res["pad_gen"][1], res["pad_margin"][1], strict=True):
+        assert same or margin < 2 * bound, (res["pad_gen"], res["pad_margin"], bound)
 
 
 # configs with block-32 weights (Q4_0 / Q4_1 / Q8_0) in an 80-row prefill: SmolLM2 is Q4_1 throughout,

@@ -72,9 +72,13 @@ What it guarantees: each output entry within bfloat16 rounding of the float32 pr
 dequantized weight: x, W and the output are each rounded to bfloat16 (at most 2^-9 relative each),
 the products summed in float32, so |y - x @ W.T| <= ~3 * 2^-9 * (|x| @ |W|.T), entry by entry.
 It is not independent of the row count bit for bit: torch's bfloat16 GEMM may pick another kernel
-for another number of rows (oneDNN on AMX CPUs does), so an entry can move by one bfloat16 step
-with the rows multiplied beside it. ggml's path (`exact=True`) computes every row alone, bit for bit
-as llama.cpp's ggml. A NaN or infinity in an activation row gives NaN / infinity in that row's
+for another number of rows (oneDNN on AMX CPUs does, by shape too: on an Intel Xeon with AMX a
+1536x576 weight gave other bits at 9-32 rows than at 33 and more, a 576x1536 one at 33-333 rows
+than at 700), so an entry can move by one bfloat16 step with the rows multiplied beside it, and a
+padded batch's greedy token can differ from its prompt's alone where two logits were that close to
+a tie. Calls of a fixed row count would make it independent at 1.5-2.2x the GEMM's time (3584x1024,
+32-512 rows, 2 threads, there), so it is not done. ggml's path (`exact=True`) computes every row
+alone, bit for bit as llama.cpp's ggml. A NaN or infinity in an activation row gives NaN / infinity in that row's
 outputs, as a float product does (ggml's path may give finite numbers there, see the README).
 """
 
