@@ -40,8 +40,8 @@ The reference (verify_*) is a dense float32 matmul against the dequantized weigh
 activations rounded the way ggml's CPU dot products round them (to Q8_0 or Q8_K blocks, see
 `_round_like_ggml`): ours and ggml's match it to ~1e-5 of the output scale (~1e-3 in the rare row
 where an activation sits exactly on a rounding tie), inside the runner's atol of 1e-2. Where
-`mul_mat` takes its dense path the reference is the same bfloat16 product, unchunked
-(F.linear of the bfloat16 activations and weight). transformers'
+`mul_mat` takes its dense path the reference is the same bfloat16 product on the same chunks of
+weight rows (F.linear of the bfloat16 activations and weight chunks). transformers'
 float32 paths do not round activations and are checked against the unrounded product; bfloat16 is
 not checked (its own rounding is larger than the runner's tolerance). GGML_KERNELS_BENCH_QUICK=1
 runs two types at one shape each, weights cache-resident (for tests).
@@ -195,8 +195,14 @@ class MulMat(_PackedProduct, Benchmark):
         self.out = self.kernel.mul_mat(self._next(), self.x, self.type, self.n)
 
     def _verify(self) -> torch.Tensor:
-        if self.kernel.dense_prefill.applies(self.blocks, self.x, int(self.kernel.GGMLType[self.type])):
-            return F.linear(self.x.bfloat16(), self.w_dense.bfloat16()).float()
+        dense = self.kernel.dense_prefill
+        if dense.applies(self.blocks, self.x, int(self.kernel.GGMLType[self.type])):
+            # the same bfloat16 products on the same chunks of weight rows: oneDNN on AMX CPUs picks
+            # its kernel by shape, and the whole weight at once gave outputs a bfloat16 step (0.0156)
+            # away on an Intel Xeon
+            rows = dense.chunk_rows(self.n, self.k)
+            xb, wb = self.x.bfloat16(), self.w_dense.bfloat16()
+            return torch.cat([F.linear(xb, wb[s : s + rows]) for s in range(0, self.n, rows)], dim=1).float()
         return super()._verify()
 
 
