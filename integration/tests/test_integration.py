@@ -246,8 +246,8 @@ def test_left_padded_batch_equals_prompts_alone(run):
     """On ggml's mul_mat every row is computed alone: the batch equals its prompts (1e-4: float32
     summation order in attention) and generates the same greedy tokens. dense_prefill's bfloat16
     GEMM may pick another kernel for another row count, and does so by shape too (oneDNN on AMX CPUs:
-    on an Intel Xeon the same rows gave other bits at 9-32 rows than at 33-199 for a 1536x576 weight,
-    at 33-333 than at 700 for 576x1536; every row count alike on an AVX512-BF16 CPU without AMX),
+    on an Intel Xeon the same rows gave other bits at 9-32 rows than at 33 and more for a 1536x576
+    weight, at 33-333 than at 700 for 576x1536; every row count alike on an AVX512-BF16 CPU without AMX),
     moving an output entry by a bfloat16 step (packages/ggml-quantization/tests/test_dense_prefill.py).
     Calls of a fixed row count would remove that at 1.5-2.2x the GEMM's time, so the path guarantees
     what the test holds it to: the batch's logits no farther from its prompts' than the path's own
