@@ -22,8 +22,10 @@
 - reads a GGUF's config without a numpy object per vocabulary entry (see `lean_metadata`);
 - runs a layer's sibling projections (q/k/v, gate/up, ...) as one kernel call in decode steps (see
   `projection_groups`), and hands the memory the load freed back to the system;
-- with `enable(repack_weights=True)`, holds Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in ggml-cpu's
-  repacked layout, as llama.cpp does, for its gemm kernels on short prompts (see `repacking`);
+- holds the linears of the types ggml-quantization measured faster so on this CPU (its `cpu`: Q4_0
+  and Q4_K on Intel CPUs, Q4_0 on AMD's) in ggml-cpu's repacked layout, as llama.cpp does, for its
+  repacked kernels in decode steps and short prompts; `enable(repack_weights=True)` repacks every type it can (Q4_0 / Q4_K /
+  IQ4_NL / MXFP4) on any CPU, `False` none (see `repacking`);
 - runs `generate()`'s decode steps on the CPU as one compiled graph over a static cache
   (`compiled_decode`) where the compile repays itself (long generations; `compile_decode=True`: always);
 - after each packed load, says once what runs on our kernels and what does not, and why (`report`),
@@ -93,7 +95,9 @@ __all__ = [
 ]
 
 _dense_prefill_module = dense_prefill  # `enable`'s keyword has the module's name
-_options = {"repack_weights": False, "huge_pages": True}  # enable()'s load-time options; the last call's values hold
+_options = {"repack_weights": "auto", "huge_pages": True}  # enable()'s load-time options; the last call's values hold
+
+REPACK_CHOICES = (True, False, "auto")  # enable()'s repack_weights
 
 # kernel name transformers asks for -> (Hub id, layer class in that package)
 LAYER_KERNELS = {
@@ -112,7 +116,7 @@ def is_enabled() -> bool:
     return "patches" in _active
 
 
-def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: bool = False,
+def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: bool | str = "auto",
            huge_pages: bool = True, allow_untested_versions: bool = False, report_loads: bool = True,
            compile_decode: bool | str = compiled_decode.DEFAULT) -> None:
     """Make transformers' GGUF path run on ggml-kernels. See the module docstring.
@@ -127,10 +131,12 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
         weights its dense one (ggml's dequantize and a bfloat16 GEMM) where it is faster; False asks
         it for ggml's exact path for every prefill matmul (8-bit activations, as llama.cpp). The last
         call's value holds.
-    repack_weights: GGUF models loaded from now on hold their Q4_0 / Q4_K / IQ4_NL / MXFP4 linears in
-        ggml-cpu's repacked layout (`repacking`): 2-47-token prompts run ggml's gemm kernels (a short
-        prompt's first token comes sooner), while prompts of 64 tokens and more pay for unpacking
-        each slice (slower), which is why it is off by default. The last call's value holds.
+    repack_weights: GGUF models loaded from now on hold linears in ggml-cpu's repacked layout
+        (`repacking`): ggml's repacked kernels run decode steps and 2-47-token prompts, while
+        prompts of 48 tokens and more pay for unpacking each slice. "auto" (the default) repacks the
+        types ggml-quantization measured faster so on this CPU (`faster_repacked_types()`: Q4_0 and
+        Q4_K on Intel CPUs, Q4_0 on AMD's, whose plain Q4_K kernels decode as fast), True every type
+        it can (Q4_0 / Q4_K / IQ4_NL / MXFP4), False none. The last call's value holds.
     huge_pages: on the CPU backend, GGUF models loaded from now on hold their packed weights in one
         mapping on transparent huge pages where Linux offers them (ggml-quantization's `huge_pages`):
         a decode step streams them 1.2-1.4x faster than from 4 KiB pages. The last call's value holds.
@@ -151,11 +157,13 @@ def enable(*, backend: str = "cpu", dense_prefill: bool = True, repack_weights: 
     on_metal = locate.backend_of(backend).metal
     compile_decode = compiled_decode.check_option(compile_decode)
     locate.check_host(backend)
-    if on_metal and repack_weights:
+    if repack_weights not in REPACK_CHOICES:
+        raise ValueError(f"repack_weights must be one of {REPACK_CHOICES}, not {repack_weights!r}")
+    if on_metal and repack_weights is True:
         raise ValueError("repack_weights holds weights in ggml-cpu's layout: it needs backend='cpu'")
     if is_enabled() and backend != _active["backend"]:
         raise RuntimeError(f"enabled with backend {_active['backend']!r}: call disable() before enabling {backend!r}")
-    _options["repack_weights"] = bool(repack_weights)
+    _options["repack_weights"] = repack_weights if repack_weights == "auto" else bool(repack_weights)
     _options["huge_pages"] = bool(huge_pages) and not on_metal
     if is_enabled():
         _dense_prefill_module.set_enabled(dense_prefill and not on_metal)
@@ -369,8 +377,9 @@ def _route_cpu_reads_through_kernels(patches: PatchSet, quant) -> None:
 
 
 def _repack_if_asked(model, quant) -> None:
-    if _options["repack_weights"]:
-        repacking.install(model, quant)
+    types = repacking.chosen_types(quant, _options["repack_weights"])
+    if types:
+        repacking.install(model, quant, types)
 
 
 def packed_parameters(model) -> list[torch.nn.Parameter]:

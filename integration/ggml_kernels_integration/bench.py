@@ -1,8 +1,11 @@
 """End-to-end measurements of one backend on one GGUF file, in this process.
 
 Backends:
-    kernels            transformers + ggml-kernels (`enable()`): weights stay packed, our kernels compute
-    kernels-repacked   the same with `enable(repack_weights=True)` (ggml-cpu's repacked layout)
+    kernels            transformers + ggml-kernels (`enable()`): weights stay packed, our kernels compute;
+                       the layout this CPU's default picks (`repack_weights="auto"`)
+    kernels-plain      the same with `enable(repack_weights=False)` (GGUF's plain layout everywhere)
+    kernels-repacked   the same with `enable(repack_weights=True)` (ggml-cpu's repacked layout wherever
+                       it has one)
     kernels-compiled   the same with `enable(compile_decode=True)`: prompts go into a static cache and
                        decode steps run compiled, as its generate() does; the compile (in the warm-ups,
                        once per shape) is reported as compile_s, not timed
@@ -52,8 +55,8 @@ import statistics
 import time
 from pathlib import Path
 
-BACKENDS = ("kernels", "kernels-repacked", "kernels-compiled", "transformers-f32", "transformers-bf16", "llama.cpp")
-TRANSFORMERS_DTYPES = {"kernels": "float32", "kernels-repacked": "float32", "kernels-compiled": "float32",
+BACKENDS = ("kernels", "kernels-plain", "kernels-repacked", "kernels-compiled", "transformers-f32", "transformers-bf16", "llama.cpp")
+TRANSFORMERS_DTYPES = {"kernels": "float32", "kernels-plain": "float32", "kernels-repacked": "float32", "kernels-compiled": "float32",
                        "transformers-f32": "float32", "transformers-bf16": "bfloat16"}
 DEFAULT_PROMPT_TOKENS = (64, 512)
 DEFAULT_DECODE_TOKENS = 128
@@ -79,7 +82,11 @@ def silence_kernel_mapping_warnings() -> None:
     logging.getLogger("kernels").setLevel(logging.ERROR)
 
 
-def setup_transformers(kernels_on: bool, repack_weights: bool = False, compile_decode: bool | str = False) -> None:
+# our backends' enable(repack_weights=...)
+REPACK_WEIGHTS = {"kernels": "auto", "kernels-plain": False, "kernels-repacked": True, "kernels-compiled": "auto"}
+
+
+def setup_transformers(kernels_on: bool, repack_weights: bool | str = "auto", compile_decode: bool | str = False) -> None:
     """Make this process load GGUF files with our kernels (`enable()`: packed weights, repacked with
     `repack_weights`, decode steps compiled with `compile_decode`) or with transformers alone (every
     weight dequantized to a dense tensor at load). Process-wide and final: call once, before the first
@@ -329,6 +336,22 @@ def ggml_versions() -> dict:
     return {"ggml": info["ggml"], "ggml_cpu_level": info["cpu_variant"]}
 
 
+def repacked_linears(model) -> dict[str, int]:
+    """GGUF type name -> how many of the model's linears hold it in ggml-cpu's repacked layout."""
+    import kernels
+
+    from . import locate, repacking
+
+    quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
+    found: dict[str, int] = {}
+    for module in model.modules():
+        ggml_type = getattr(module, "ggml_type", None)
+        if isinstance(ggml_type, int) and repacking.is_repacked(quant, ggml_type):
+            name = quant.type_name(repacking.base_type(quant, ggml_type))
+            found[name] = found.get(name, 0) + 1
+    return found
+
+
 def dense_prefill_active() -> bool:
     """Whether prefill matmuls on block-32 weights take ggml_kernels_integration.dense_prefill here."""
     from ggml_kernels_integration import dense_prefill
@@ -341,7 +364,7 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
     import transformers
 
     ours, compiled = backend.startswith("kernels"), backend == "kernels-compiled"
-    setup_transformers(kernels_on=ours, repack_weights=backend == "kernels-repacked", compile_decode=compiled)
+    setup_transformers(kernels_on=ours, repack_weights=REPACK_WEIGHTS.get(backend, False), compile_decode=compiled)
     model, load_s = load_transformers_model(path, TRANSFORMERS_DTYPES[backend])
     after_load = {"load_peak_rss_mib": peak_rss_mib(), "rss_after_load_mib": current_rss_mib()}
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -368,7 +391,7 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
         "profiled": f"{PROFILED_PROMPT_TOKENS}-token prefill + {PROFILED_DECODE_STEPS} decode steps",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      **(ggml_versions() if ours else {})},
-        **({"dense_prefill": dense_prefill_active()} if ours else {}),
+        **({"dense_prefill": dense_prefill_active(), "repacked_linears": repacked_linears(model)} if ours else {}),
         **(compile_record(model) if compiled else {}),
     }
 
@@ -474,6 +497,9 @@ def format_result(result: dict) -> str:
                      f"{gen['prompt_tokens']}, the prompt included)")
     if result.get("compile_failure") or result.get("compile_s"):
         lines.append(f"  {describe_compiles(result)}")
+    if "repacked_linears" in result:
+        repacked = ", ".join(f"{n} {name}" for name, n in result["repacked_linears"].items())
+        lines.append(f"  weights: {'repacked linears: ' + repacked if repacked else 'plain layout'}")
     if result.get("kernel_calls") is not None:
         calls = ", ".join(f"{op} x{n}" for op, n in result["kernel_calls"].items()) or "none"
         lines.append(f"  our kernels in a {result['profiled']}: {calls}")

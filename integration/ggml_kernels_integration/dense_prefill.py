@@ -3,7 +3,8 @@ whether it may.
 
 `mul_mat` on the CPU build takes its dense path (its `dense_prefill` module: the thresholds and the
 measurements behind them, what it guarantees) for block-32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
-times 32 to 128 rows and more by type on a CPU with bfloat16 dot products (AVX512-BF16, AMX): ggml's
+times 32 to 128 rows and more by type on a CPU with bfloat16 dot products (AVX512-BF16, AMX), and
+with AMX also for Q4_K / Q5_K / Q6_K weights times 192-256 rows: ggml's
 dequantize, a chunk of rows at a time, then a bfloat16 GEMM with float32 accumulation, several times
 faster than ggml's dot products there and closer to float32 (no 8-bit activations). Everything else
 runs ggml's own mul_mat. `enable(dense_prefill=False)` (`set_enabled(False)`) asks for ggml's exact

@@ -6,10 +6,13 @@ product with 2-47 activation rows (a short prompt, the first token of a chat tur
 kernels: 1.2-1.6x ggml's plain kernels on Q4_K, 2-4x on Q4_0 (ggml-quantization's README). ggml-quantization's `repack`
 makes the layout and every op of the package takes it (type id + the package's `REPACKED`, read from
 the loaded package: one source); longer products
-unpack each slice to the plain layout first, decode steps run ggml's repacked gemv.
+unpack each slice to the plain layout first, decode steps run ggml's repacked gemv (1.3-2.1x the
+plain layout's one-row products on an Intel Xeon, 0.94-0.98x on an AMD EPYC: ggml-quantization's
+`cpu`, where the default's rule and its measurements are).
 
-`install(model, quant)` (after a GGUF load, when `enable(repack_weights=True)`) repacks every
-`GgufLinear` weight of such a type whose row count is a multiple of 8, of at least `MIN_REPACK_BYTES`,
+`install(model, quant, types)` (after a GGUF load; `chosen_types` reads `enable(repack_weights=...)`:
+by default the types ggml-quantization measured faster repacked on this CPU) repacks every
+`GgufLinear` weight of those types whose row count is a multiple of 8, of at least `MIN_REPACK_BYTES`,
 that no other module shares (a tied embedding is read by get_rows), and sets the module's
 `ggml_type` to the repacked id. `state_dict()` still returns the GGUF bytes (a hook unpacks them) and
 `load_state_dict()` takes GGUF bytes (a hook repacks them).
@@ -46,11 +49,22 @@ def _shared_parameters(model) -> set[int]:
     return {pid for pid, n in counts.items() if n > 1}
 
 
-def install(model, quant) -> int:
-    """Repack the model's eligible `GgufLinear` weights in place; returns how many."""
+def chosen_types(quant, option: bool | str) -> frozenset[int]:
+    """The GGUF types `enable(repack_weights=option)` repacks: "auto" those ggml-quantization measured
+    faster repacked on this CPU (`faster_repacked_types`; none from a build without it), True every
+    type this CPU's ggml repacks, False none."""
+    if option == "auto":
+        faster = getattr(quant, "faster_repacked_types", None)
+        return frozenset(faster()) if faster is not None else frozenset()
+    return frozenset(quant.repacked_types()) if option else frozenset()
+
+
+def install(model, quant, types: frozenset[int] | None = None) -> int:
+    """Repack the model's eligible `GgufLinear` weights of `types` (every type this CPU's ggml repacks
+    by default) in place; returns how many."""
     from transformers.integrations.gguf.utils import GgufLinear
 
-    types = quant.repacked_types()
+    types = quant.repacked_types() if types is None else types & quant.repacked_types()
     shared = _shared_parameters(model)
     done = 0
     for module in model.modules():
@@ -73,6 +87,11 @@ def install(model, quant) -> int:
         _repacked.add(module)
         done += 1
     return done
+
+
+def count_in(model) -> int:
+    """How many of the model's modules hold a weight repacked by `install` now."""
+    return sum(1 for module in model.modules() if module in _repacked)
 
 
 def unpack_all(quant) -> int:

@@ -50,6 +50,7 @@ class Summary:
     ours: Counter = field(default_factory=Counter)  # (layer name, hub id) -> count
     theirs: Counter = field(default_factory=Counter)  # (layer name, reason) -> count
     compiled_decode: str = ""  # compiled_decode.Record.describe(): compile seconds per shape, or the failure
+    repacked: int = 0  # packed linears held in ggml-cpu's repacked layout (`repacking`)
 
 
 def _kernel_layers(model):
@@ -80,7 +81,7 @@ def summary(model, layer_kernels: dict[str, tuple[str, str]]) -> Summary:
     transformers model (an nn.Module with a `config`); anything else is a TypeError."""
     import torch
 
-    from . import compiled_decode
+    from . import compiled_decode, repacking
 
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         module = isinstance(model, torch.nn.Module)
@@ -95,6 +96,7 @@ def summary(model, layer_kernels: dict[str, tuple[str, str]]) -> Summary:
         attention=str(getattr(model.config, "_attn_implementation", None)),
         packed=packed,
         dense_linears=dense,
+        repacked=repacking.count_in(model),
     )
     rec = compiled_decode.record(model)
     out.compiled_decode = rec.describe() if rec is not None else ""
@@ -117,6 +119,8 @@ def describe(s: Summary) -> str:
         f"  on our kernels: packed weights ({packed}) via ggml-org/ggml-quantization; attention: {s.attention}",
         f"  layer kernels: {ours}",
     ]
+    if s.repacked:
+        lines.append(f"  {s.repacked} linears in ggml-cpu's repacked layout (enable(repack_weights=...))")
     theirs = [f"{name} x{c} ({why})" for (name, why), c in sorted(s.theirs.items())]
     if s.dense_linears:
         theirs.append(f"nn.Linear x{s.dense_linears} (dense: a float weight in the file, or a storage type without a kernel)")

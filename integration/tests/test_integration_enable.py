@@ -280,7 +280,7 @@ def test_enable_refuses_bad_backend_arguments_before_changing_anything():
 before = snapshot()
 errors = []
 for kwargs in ({"backend": "mps-gpu"}, {"backend": "metal-emu", "repack_weights": True},
-               {"backend": "mps-emu", "repack_weights": True}):
+               {"backend": "mps-emu", "repack_weights": True}, {"repack_weights": "sometimes"}):
     try:
         gk.enable(**kwargs)
     except ValueError as e:
@@ -307,7 +307,8 @@ print(json.dumps({"errors": errors, "untouched": untouched, "backends": [cpu, me
     assert out["untouched"] == []
     assert [e.split(":")[0] for e in out["errors"]] == [
         "unknown backend 'mps-gpu'", "repack_weights holds weights in ggml-cpu's layout",
-        "repack_weights holds weights in ggml-cpu's layout", "enabled with backend 'cpu'",
+        "repack_weights holds weights in ggml-cpu's layout",
+        "repack_weights must be one of (True, False, 'auto'), not 'sometimes'", "enabled with backend 'cpu'",
         "metal_dispatches() needs enable(backend='metal-emu' or 'mps-emu'), enabled",
     ]
     assert out["backends"] == ["cpu", "metal-emu", None] and out["empty"] == {}

@@ -1,5 +1,5 @@
 """Packed linears in ggml-cpu's repacked layout (`ggml_kernels_integration.repacking`,
-`enable(repack_weights=True)`): which modules are repacked, that they compute what the plain ones do,
+`enable(repack_weights=...)`): which modules are repacked, what each choice repacks, that they compute what the plain ones do,
 that state_dict / load_state_dict keep speaking GGUF bytes, and a whole model against itself unrepacked.
 
 Tolerance: a repacked weight's products differ from the plain ones only in the float32 order of the
@@ -104,6 +104,27 @@ def test_install_repacks_what_it_should_and_products_agree(quant, monkeypatch):
     assert ((own - before["q4k"][2]).abs().max() / own.abs().max()).item() < 2e-2
 
 
+def test_enable_s_choice_picks_the_types(quant, monkeypatch):
+    """`enable(repack_weights=...)`: "auto" repacks the types ggml-quantization measured faster
+    repacked on this CPU, True every type this CPU's ggml repacks, False none."""
+    import ggml_kernels_integration as gk
+
+    monkeypatch.setattr(repacking, "MIN_REPACK_BYTES", 0)
+    monkeypatch.setattr(quant, "faster_repacked_types", lambda: frozenset({12}))
+    assert repacking.chosen_types(quant, "auto") == {12}
+    assert repacking.chosen_types(quant, True) == quant.repacked_types()
+    assert repacking.chosen_types(quant, False) == frozenset()
+    for option, repacked in (("auto", {"q4k"}), (True, {"q4k", "q4_0"}), (False, set())):
+        monkeypatch.setitem(gk._options, "repack_weights", option)
+        model = Tiny(quant)
+        gk._repack_if_asked(model, quant)
+        assert {n for n in ("q4k", "q4_0", "q6k") if repacking.is_repacked(quant, getattr(model, n).ggml_type)} == repacked
+        assert repacking.count_in(model) == len(repacked)  # what summary() reports
+    repacking.unpack_all(quant)
+    monkeypatch.delattr(quant, "faster_repacked_types")  # a build from before the rule: nothing
+    assert repacking.chosen_types(quant, "auto") == frozenset()
+
+
 CODE = """
 import json
 import torch
@@ -115,7 +136,7 @@ import ggml_kernels_integration as gk
 quant = load_kernel("ggml-org/ggml-quantization")
 path = make_gguf.ensure("qwen35-tiny", "Q4_K_M")
 gk.repacking.MIN_REPACK_BYTES = 0  # the tiny model's weights are all small
-gk.enable()
+gk.enable(repack_weights=False)
 plain = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 gk.enable(repack_weights=True)
 packed = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

@@ -48,9 +48,10 @@ MODEL_FILES = {  # name in the table -> the function that returns (and makes, if
     "qwen35moe-1.6b-a0.5b": lambda: make_gguf.ensure("qwen35moe-1.6b-a0.5b", "Q4_K_M"),
     "smollm2-135m": smollm2.gguf_path,
 }
-BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "kernels-repacked", "kernels-compiled", "llama.cpp")
+BACKENDS = ("transformers-f32", "transformers-bf16", "kernels", "kernels-plain", "kernels-repacked", "kernels-compiled",
+            "llama.cpp")
 BACKEND_COLORS = {"transformers-f32": "#9e9e9e", "transformers-bf16": "#cfcfcf", "kernels": "#1f77b4",
-                  "kernels-repacked": "#6baed6", "kernels-compiled": "#08306b",
+                  "kernels-plain": "#9ecae1", "kernels-repacked": "#6baed6", "kernels-compiled": "#08306b",
                   "llama.cpp": "#ff7f0e"}
 TARGET_DECODE_VS_LLAMA_CPP = 0.8
 TARGET_DECODE_VS_F32 = 3.0
@@ -227,7 +228,8 @@ def markdown(results: list[dict], settings: dict, threads: int, rounds: list[dic
             lines.append("| " + " | ".join(cells) + " |")
         targets += target_lines(model, ratios, decode_rounds(model, rounds or []))
         targets += short_prompt_lines(model, rounds or [])
-        targets += short_prompt_lines(model, rounds or [], ours="kernels-repacked")
+        for layout in ("kernels-plain", "kernels-repacked"):
+            targets += short_prompt_lines(model, rounds or [], ours=layout)
     notes = [f"{threads} threads, median of {settings['repeats']}; decode after a {min(prompts)}-token prompt; "
              f"first token: one forward over a prompt of that many tokens with a fresh cache; generate(): "
              f"{GENERATE_TOKENS} greedy tokens after {GENERATE_PROMPT_TOKENS} through the library's own loop, the "
@@ -321,7 +323,7 @@ def main() -> None:
             for model in args.models:
                 row = {"model_name": model, "round": r + 1}
                 row["first_token"], row["generate"] = {}, {}
-                for backend in [b for b in ("kernels", "kernels-repacked", "llama.cpp") if b in args.backends]:
+                for backend in [b for b in ("kernels", "kernels-plain", "kernels-repacked", "llama.cpp") if b in args.backends]:
                     _log(f"[round {r + 1}] {model} on {backend} ...")
                     result = measure(MODEL_FILES[model](), backend, decode_only, threads)
                     failed = "error" in result

@@ -29,9 +29,20 @@ MATMUL_RTOL = 2e-3  # test_ops.py's, for ggml's path against the emulated refere
 
 @pytest.fixture
 def bf16_cpu(gq, monkeypatch):
-    """The routing as on a CPU with native bfloat16 dot products, whatever this one is."""
+    """The routing as on a CPU with native bfloat16 dot products and no AMX, whatever this one is."""
     monkeypatch.setattr(gq.dense_prefill, "NATIVE_BF16", True)
+    monkeypatch.setattr(gq.dense_prefill, "AMX_BF16", False)
     return gq
+
+
+@pytest.fixture
+def amx_cpu(bf16_cpu, monkeypatch):
+    """The routing as on a CPU with AMX tiles."""
+    monkeypatch.setattr(bf16_cpu.dense_prefill, "AMX_BF16", True)
+    return bf16_cpu
+
+
+K_QUANTS_ON_AMX = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def packed(gq, name: str, n: int, k: int, seed: int = 0):
@@ -80,6 +91,33 @@ def test_threshold_boundary(gq, bf16_cpu, name):
     assert torch.equal(gq.mul_mat(blocks, lead, name, n).view(at, n), gq.mul_mat(blocks, x, name, n))
 
 
+@pytest.mark.parametrize("name", list(K_QUANTS_ON_AMX))
+def test_k_quants_on_an_amx_cpu(gq, amx_cpu, name, monkeypatch):
+    """With AMX, Q4_K / Q5_K / Q6_K from AMX_MIN_ROWS rows, within the same bound as the block-32
+    types (the path does not depend on the type past ggml's dequantize); without AMX never."""
+    dp = gq.dense_prefill
+    t, n, k = K_QUANTS_ON_AMX[name], 48, 512
+    blocks, w = packed(gq, name, n, k, seed=t)
+    at = dp.AMX_MIN_ROWS[t]
+    assert dp.min_rows(t) == at
+    below, x = rows(at - 1, k), rows(at, k)
+    assert torch.equal(gq.mul_mat(blocks, below, name, n), gq.ops.mul_mat(blocks, below, t, n))
+    got = gq.mul_mat(blocks, x, name, n)
+    assert torch.equal(got, dp.matmul(blocks, x, t, n))
+    exact = x.double() @ w.double().T
+    assert ((got.double() - exact).abs() <= 2**-7 * (x.double().abs() @ w.double().abs().T)).all()
+    if t in gq.repacked_types():  # a repacked weight by its GGUF type, dequantized through the inverse
+        assert torch.equal(gq.mul_mat(gq.repack(blocks, t), x, gq.repacked_type(t), n), got)
+    monkeypatch.setattr(dp, "AMX_BF16", False)
+    assert dp.min_rows(t) is None and not dp.applies(blocks, x, t)
+
+
+def test_amx_bf16_reads_the_cpu_flags(gq):
+    dp = gq.dense_prefill
+    assert dp.AMX_BF16 == ("amx_bf16" in gq.cpu.flags(gq.cpu.CPU))
+    assert set(dp.AMX_MIN_ROWS).isdisjoint(dp.MIN_ROWS)
+
+
 def test_where_it_applies(gq, bf16_cpu, monkeypatch):
     dp = gq.dense_prefill
     blocks, _ = packed(gq, "Q4_0", 64, 64)
@@ -87,7 +125,7 @@ def test_where_it_applies(gq, bf16_cpu, monkeypatch):
     # a repacked weight by its GGUF type, where this CPU has the layout (ggml refuses the id elsewhere)
     assert dp.applies(blocks, x, gq.repacked_type("Q4_0")) == (2 in gq.repacked_types())
     for other in ("F32", "F16", "BF16", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "MXFP4"):
-        assert not dp.applies(blocks, x, int(gq.GGMLType[other])), other  # ggml's own products keep up
+        assert not dp.applies(blocks, x, int(gq.GGMLType[other])), other  # ggml's own products keep up (no AMX)
     assert not dp.applies(blocks, torch.ones(512, 64, dtype=torch.int64), 2)  # refused by ggml's checks
     assert not dp.applies(blocks.view(torch.int8), x, 2)
     assert not dp.applies(blocks, on_meta(x), 2) and not dp.applies(on_meta(blocks), x, 2)

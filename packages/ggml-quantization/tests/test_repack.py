@@ -50,6 +50,28 @@ def test_repacked_types_on_this_cpu(gq):
         assert {2, 12, 20, 39} <= gq.repacked_types() <= set(CANDIDATES.values())
 
 
+def test_faster_repacked_types_follow_the_cpu_vendor(gq, tmp_path):
+    """The rule of `cpu`: Q4_0 and Q4_K on Intel CPUs, Q4_0 on AMD's (measured faster repacked there),
+    nothing on CPUs not measured; the first processor's fields count."""
+    cpu = gq.cpu
+    for vendor, expected in (("GenuineIntel", {2, 12}), ("AuthenticAMD", {2}), ("HygonGenuine", set())):
+        path = tmp_path / f"cpuinfo-{vendor}"
+        path.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2\n\n"
+                        "processor\t: 1\nvendor_id\t: Other\n")
+        info = cpu.read_cpuinfo(str(path))
+        assert info["vendor_id"] == vendor and cpu.flags(info) == {"fpu", "avx2"}
+        assert cpu.faster_repacked_types(info) == expected, vendor
+    assert cpu.read_cpuinfo(str(tmp_path / "missing")) == {}
+    assert cpu.faster_repacked_types({}) == frozenset()
+
+
+def test_faster_repacked_types_here(gq):
+    """This CPU's answer: the rule's types that this CPU's ggml repacks."""
+    faster = gq.faster_repacked_types()
+    assert faster == gq.cpu.faster_repacked_types() & gq.repacked_types()
+    assert faster <= {2, 12}
+
+
 def test_repack_changes_layout_and_dequantize_undoes_it(gq, t):
     cols = cols_for(gq, t)
     w = weight(gq, t, 24, cols)
@@ -184,3 +206,7 @@ def test_unrepack_gives_the_gguf_bytes_back(gq, t):
     assert torch.equal(gq.unrepack(gq.repack(w, t), t), w)
     with pytest.raises(ValueError, match="repacked weights hold a multiple of 8"):
         gq.unrepack(w[:12], t)
+
+
+def test_metal_builds_repack_nothing_by_default(metal):
+    assert metal.faster_repacked_types() == frozenset()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, dense_prefill, huge_pages, layers, reference
+from . import _checks, cpu, dense_prefill, huge_pages, layers, reference
 from ._ggml_runtime import BACKEND, EMULATED_METAL, check_size, info, same_device
 from ._ops import add_op_namespace_prefix, ops
 from .types import (
@@ -36,8 +36,10 @@ __all__ = [
     "STORAGE_TYPES",
     "TYPE_INFO",
     "TypeInfo",
+    "cpu",
     "dense_prefill",
     "dequantize",
+    "faster_repacked_types",
     "get_rows",
     "huge_pages",
     "info",
@@ -92,7 +94,8 @@ def mul_mat(blocks: torch.Tensor, x: torch.Tensor, ggml_type, out_features: int,
 
     On the CPU build with CPU tensors, a block-32 weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, repacked or
     not) times at least `dense_prefill.MIN_ROWS[type]` rows (32 to 128 by type) on a CPU with native
-    bfloat16 dot products (AVX512-BF16 / AMX) takes the dense path: ggml dequantizes the weight a
+    bfloat16 dot products (AVX512-BF16 / AMX), and on a CPU with AMX also a Q4_K / Q5_K / Q6_K weight
+    times `dense_prefill.AMX_MIN_ROWS[type]` rows (192 / 192 / 256), takes the dense path: ggml dequantizes the weight a
     chunk at a time and torch multiplies in bfloat16 with float32 accumulation, several times faster
     there. Its result is within bfloat16 rounding of the float32 product of the dequantized weight
     (each of x, W and the output rounded once: |error| <= ~3 * 2^-9 * (|x| @ |W|.T) per entry), and
@@ -158,6 +161,15 @@ def repacked_types() -> frozenset[int]:
     """GGUF type ids this CPU's ggml holds in a repacked layout (x86 with AVX2: Q4_0, Q4_K, IQ4_NL,
     MXFP4; with AVX-512 also Q2_K; none on older CPUs)."""
     return frozenset(ops.repacked_types.default())
+
+
+def faster_repacked_types() -> frozenset[int]:
+    """Of `repacked_types()`, those whose weights are measured faster repacked on this CPU (a decode
+    step's products and short prompts; see `cpu`): what an integration repacks by default. Empty on
+    the Metal builds and on CPUs where the plain layout is as fast or not measured."""
+    if BACKEND != "cpu":
+        return frozenset()
+    return cpu.faster_repacked_types() & repacked_types()
 
 
 def repack(blocks: torch.Tensor, ggml_type) -> torch.Tensor:

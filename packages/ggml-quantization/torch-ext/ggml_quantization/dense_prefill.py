@@ -10,8 +10,9 @@ also closer to the float32 product: ggml rounds the activations to 8 bits per bl
 Q8_1) before its dot products, bfloat16 keeps 8 significant bits per value and accumulates in float32.
 
 When. `mul_mat` takes it (`applies`) for CPU tensors on the CPU build (the Metal builds keep ggml's
-kernels), a weight whose GGUF type, repacked or not, is in `MIN_ROWS`, at least that many activation
-rows, on a CPU with native bfloat16 dot products (`NATIVE_BF16`), unless called with `exact=True`.
+kernels), a weight whose GGUF type, repacked or not, has a threshold (`min_rows`: `MIN_ROWS`, and on a
+CPU with AMX also `AMX_MIN_ROWS`), at least that many activation rows, on a CPU with native bfloat16
+dot products (`NATIVE_BF16`), unless called with `exact=True`.
 
 `MIN_ROWS`. This path pays one dequantize of the whole weight per call, then a GEMM whose cost grows
 with the rows; ggml's path costs a fixed amount per row. So the crossover is the dequantize's cost
@@ -36,6 +37,27 @@ crossovers at ~90 and ~110 rows). Measure again with `kernels benchmark
 ./packages/ggml-quantization` (benchmarks/benchmark_mul_mat.py: `MulMat_exact` against `MulMat` at
 32-128 rows on every block-32 type). An AMX CPU runs the GEMM faster still and ggml's dot products
 no faster, so its crossovers are no later than these.
+
+`AMX_MIN_ROWS`. With AMX tiles (`amx_bf16` in the CPU's flags: `AMX_BF16`) the K-quants cross over
+too, where on the EPYC ggml's K-quant products kept up with the GEMM at every row count measured.
+Measured 2026-12-06 on an Intel Xeon with AMX (2 vCPUs, 2 MiB L2 per core), torch 2.13, ms per
+product on 4 row-permuted copies of the weight, median of 5 alternating rounds, ggml's `mul_mat`
+(`exact=True`) / this path, the ratio in brackets:
+
+    type  shape (N x K)  threads  M=128               M=192               M=256
+    Q4_K  6144x1024      2        3.25/3.25 (1.00x)   5.12/3.60 (1.42x)   6.27/3.75 (1.67x)
+    Q4_K  9216x2560      2        12.6/13.1 (0.96x)   18.4/14.6 (1.26x)   22.7/17.3 (1.31x)
+    Q4_K  1024x3584      1        4.33/3.79 (1.14x)   6.59/4.69 (1.40x)   8.47/4.90 (1.73x)
+    Q5_K  6144x1024      2        3.12/3.45 (0.90x)   4.86/3.64 (1.33x)   6.19/3.92 (1.58x)
+    Q5_K  9216x2560      2        12.9/13.8 (0.93x)   19.1/16.6 (1.15x)   24.1/17.2 (1.40x)
+    Q6_K  6144x1024      2        3.75/5.49 (0.68x)   5.99/5.97 (1.00x)   7.62/6.42 (1.19x)
+    Q6_K  9216x2560      2        15.0/22.3 (0.67x)   21.4/25.1 (0.86x)   27.0/24.9 (1.08x)
+    Q6_K  9216x2560      1        29.5/39.0 (0.76x)   40.5/41.9 (0.97x)   52.7/46.4 (1.14x)
+
+and likewise on 1024x3584 and 2048x1024 at both thread counts (Q4_K / Q5_K 1.30-1.47x at 192 rows,
+Q6_K 1.08-1.25x at 256); at 512 rows Q4_K 1.5-2.1x, Q6_K 1.4-1.8x. Hence Q4_K and Q5_K from 192
+rows, Q6_K (the slowest to dequantize) from 256. The other K-quants and the i-quants are not measured
+and keep ggml's path.
 
 CPUs without native bfloat16 dot products (neither AVX512-BF16 nor AMX-BF16 in the CPU's flags):
 oneDNN emulates bfloat16 there with float32 arithmetic plus conversions, and no measurement shows
@@ -90,7 +112,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import _checks
+from . import _checks, cpu
 from ._ggml_runtime import BACKEND, check_size, same_device
 from ._ops import ops
 from .types import REPACKED, GGMLType
@@ -103,6 +125,12 @@ MIN_ROWS: dict[int, int] = {
     GGMLType.Q4_0: 96,
     GGMLType.Q5_0: 128,
 }
+# GGUF type -> fewest activation rows on a CPU with AMX (`AMX_BF16`; the module docstring's table)
+AMX_MIN_ROWS: dict[int, int] = {
+    GGMLType.Q4_K: 192,
+    GGMLType.Q5_K: 192,
+    GGMLType.Q6_K: 256,  # the slowest K-quant to dequantize
+}
 # a core's L2 cache where sysfs does not say (the x86 CPUs of the last years have 1-2 MiB)
 ASSUMED_L2_BYTES = 1 << 20
 # a chunk's rows are a multiple of this (oneDNN's GEMM blocks; a multiple of REPACK_ROWS too)
@@ -111,20 +139,23 @@ CHUNK_ROWS_MULTIPLE = 128
 BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
-def native_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
+def native_bf16_dot(cpuinfo: str = cpu.CPUINFO) -> bool:
     """Whether this CPU has native bfloat16 dot products (`BF16_DOT_FLAGS` in its flags); False where
     the flags cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return bool(BF16_DOT_FLAGS & set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return False
+    return bool(BF16_DOT_FLAGS & cpu.flags(cpu.read_cpuinfo(cpuinfo)))
 
 
 NATIVE_BF16: bool = native_bf16_dot()
+# whether oneDNN's bfloat16 GEMM runs on AMX tiles here (AMX_MIN_ROWS apply)
+AMX_BF16: bool = "amx_bf16" in cpu.flags(cpu.CPU)
+
+
+def min_rows(gguf_type: int) -> int | None:
+    """The fewest activation rows from which a weight of this GGUF type takes this path on this CPU,
+    None where it never does."""
+    if gguf_type in MIN_ROWS:
+        return MIN_ROWS[gguf_type]
+    return AMX_MIN_ROWS.get(gguf_type) if AMX_BF16 else None
 
 
 def l2_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
@@ -177,8 +208,8 @@ def applies(blocks: torch.Tensor, x: torch.Tensor, type_id: int) -> bool:
     ggml's path, whose checks name the problem (a repacked layout this CPU lacks among them)."""
     repacked = REPACKED <= type_id < 2 * REPACKED
     gguf_type = type_id - REPACKED if repacked else type_id
-    min_rows = MIN_ROWS.get(gguf_type)
-    return (min_rows is not None and NATIVE_BF16 and BACKEND == "cpu" and _rows(x) >= min_rows
+    fewest = min_rows(gguf_type)
+    return (fewest is not None and NATIVE_BF16 and BACKEND == "cpu" and _rows(x) >= fewest
             and (not repacked or gguf_type in _repacked_here())
             and blocks.device.type == "cpu" and x.device.type == "cpu"
             and blocks.dtype == torch.uint8 and x.dtype in _checks._FLOAT)
