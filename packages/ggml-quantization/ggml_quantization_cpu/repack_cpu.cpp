@@ -238,8 +238,10 @@ at::Tensor repack(const at::Tensor& blocks, ggml_type type, int64_t cols) {
 namespace {
 
 // `inv` for one row length: its 8- and 2-byte runs (all the quants and scales of the block-32
-// layouts) as straight-line moves at absolute offsets, the rest (Q4_K's and Q2_K's scale bits) as
-// `inv` applies them.
+// layouts) as straight-line moves at absolute offsets, the bytes built from bit fields (Q4_K's and
+// Q2_K's scales) each assembled in a register from its parts and stored once, the other runs as
+// `inv` applies them. (Q4_K 6144x1024 unpacked at 2.2 GB/s on one thread of an Intel Xeon when each
+// field was or-ed into memory, against Q4_0's 8.6.)
 struct UnitProgram {
   struct Move8 {
     int64_t dst, src;
@@ -248,12 +250,34 @@ struct UnitProgram {
   struct Move2 {
     int64_t dst, src;
   };
+  struct Part {  // (src byte ^ flip) & mask, shifted left by `shift` (right when negative)
+    uint16_t src;
+    uint8_t flip, mask;
+    int8_t shift;
+  };
+  struct Built {  // a plain byte at dst: the or of parts [first, first + count)
+    int64_t dst;
+    uint32_t first, count;
+  };
   std::vector<Move8> move8;
   std::vector<Move2> move2;
+  std::vector<Part> parts;
+  std::vector<Built> built;
   Inverse rest;
 
   UnitProgram(const Inverse& inv, int64_t row_bytes) : rest(inv) {
     rest.runs.clear();
+    rest.fields.clear();
+    rest.cleared.clear();
+    for (const auto& [row, offset] : inv.cleared) {
+      Built b{row * row_bytes + offset, static_cast<uint32_t>(parts.size()), 0};
+      for (const auto& f : inv.fields) {
+        if (f.row != row || f.offset != offset) continue;
+        parts.push_back({f.src, inv.flip[f.src], f.mask, f.shift});
+        ++b.count;
+      }
+      built.push_back(b);
+    }
     for (const auto& r : inv.runs) {
       const int64_t d = r.row * row_bytes + r.offset;
       if (r.len == 8) {
@@ -276,7 +300,16 @@ struct UnitProgram {
       std::memcpy(dst + m.dst, &v, 8);
     }
     for (const auto& m : move2) std::memcpy(dst + m.dst, unit_src + m.src, 2);
-    if (!rest.runs.empty() || !rest.fields.empty()) rest.apply(unit_src, row_bytes, dst);
+    for (const auto& b : built) {
+      unsigned v = 0;
+      for (uint32_t i = b.first; i < b.first + b.count; ++i) {
+        const Part& p = parts[i];
+        const unsigned bits = (unit_src[p.src] ^ p.flip) & p.mask;
+        v |= p.shift >= 0 ? bits << p.shift : bits >> -p.shift;
+      }
+      dst[b.dst] = static_cast<uint8_t>(v);
+    }
+    if (!rest.runs.empty()) rest.apply(unit_src, row_bytes, dst);
   }
 };
 
