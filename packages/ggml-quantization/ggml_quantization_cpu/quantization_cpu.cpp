@@ -123,13 +123,15 @@ bool reads_quantized_x(ggml_type t) {
 // CPU feature picks a path), and each thread reads its weight rows in order, as ggml's do.
 //
 //   m     path                                  split over threads              prefetch
-//   1     ggml's vec_dot per weight row,        one run of about equal bytes    none (as ggml)
-//         no graph (direct_dot_rows)            per thread, a group's weights
-//                                               end to end; >= 64 KiB each; a
-//                                               thread done early takes the
-//                                               others' next 64 KiB (DotRuns)
+//   1-7   ggml's vec_dot per weight row and     one run of about equal bytes    none (as ggml)
+//         activation row, no graph              per thread, a group's weights
+//         (direct_dot_rows; from 2 rows only    end to end; >= 64 KiB each; a
+//         types sgemm does not take, from 5     thread done early takes the
+//         rows only rows of >= 1 KiB: see       others' next 64 KiB (DotRuns)
+//         takes_dot_rows)
 //   2-128 ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
-//         graph per thread (share_products)     KiB of weight x m per thread
+//   (the  graph per thread (share_products)     KiB of weight x m per thread
+//   rest)
 //   129-  ggml's mul_mat, one single-thread     slices of >= 256 KiB / m bytes  none (as ggml)
 //         graph per slice (mul_mat_slices)      (min_rows_per_task), taken from
 //                                               a shared counter
@@ -137,8 +139,25 @@ bool reads_quantized_x(ggml_type t) {
 // For one row ggml's mul_mat computes exactly these dot products for every type (x86 type traits
 // have nrows == 1, and llamafile's sgemm declines a single column), so the results are
 // bit-identical, minus a graph's building and planning, a good part of a decode step's small
-// products. At m = 8 ggml's blocked loop (and its tiled K-quant kernels) was faster on large Q4_K
-// weights, so more rows keep the graph.
+// products. From 2 rows ggml's mul_mat hands Q4_0, Q5_0, Q8_0 and IQ4_NL weights to llamafile's
+// sgemm (x86 with AVX), which the graph keeps (it ran 1.1-2x faster than the dot products at 2-8
+// rows here), and from 8 rows the K-quants and most IQ types to its tiled K-quant kernel (other
+// sums, so other bits); below that it computes every type with the same vec_dot per (weight row,
+// activation row), in blocks of 16 weight rows. direct_dot_rows does the same in blocks of a
+// 64 KiB piece's rows: each piece's rows are read from DRAM once and then from the cache for the
+// other activation rows, and the results are bit-identical to ggml's op. With ggml's 16-row blocks
+// (23 KiB of a 2560-column Q4_K weight), which its graph also uses, a Q4_K 9216x2560 product at 2 /
+// 4 rows ran at 0.81 / 0.85x ggml's own op on an Intel Xeon (2 threads), with 64 KiB pieces
+// 1.07-1.13x. Intel Xeon (AVX-512 + AMX, 2 vCPUs), one process, alternating, 7-11 rounds
+// (2026-12-06):
+// - against ggml's op, Q4_1 / Q4_K / Q6_K on 9216x2560 and 2560x9216, 2 and 4 rows, 1 and 2
+//   threads: the graph per thread (share_products) 0.82-1.07x, these dot products 0.98-1.13x;
+// - against share_products on 576-3584-column Q4_1 / Q4_K / Q5_K / Q6_K weights, 2 and 4 rows:
+//   0.99-1.54x (1 and 2 threads). At 8 rows (here the vec_dot graph; the tiled kernel is slower
+//   still at 8 rows on long rows: 0.70-0.87x these dot products) they lost 0.77-0.89x on Q4_K and
+//   Q5_K rows of 576-704 bytes (1024 columns), whose 16-row blocks stay in the L1 in ggml's loop:
+//   hence no more than 4 rows on rows under 1 KiB.
+// At 16 and 64 rows ggml's tiled and 16x16 blocked kernels win 1.2-2.6x. Not measured on the EPYC.
 //
 // One run per thread, not ggml-cpu's 64-row chunks from a shared counter: a decode step streams
 // every weight from DRAM once, and a thread's contiguous run is one long stream for the hardware
@@ -157,16 +176,40 @@ bool reads_quantized_x(ggml_type t) {
 // stream). On the EPYC it cost up to 1.5x on 9216-column rows (2560x9216 Q6_K 2.58 against 1.74 ms,
 // one thread, 128 MB cycled) and won 1.05-1.17x only on SmolLM2's short rows
 // (docs/benchmarks.md, "One-row products").
-constexpr int64_t kDirectDotRows = 1;
+constexpr int64_t kDirectDotRows = 7;  // one below ggml's tiled kernel's 8 rows: the same bits
+// ... of which rows up to kShortRowsDotRows for weights whose rows hold fewer than kLongRowBytes.
+constexpr int64_t kShortRowsDotRows = 4;
+constexpr int64_t kLongRowBytes = 1024;
 
-// One packed weight of a one-row product: its rows, its dot product, the activation row quantized
-// to that dot product's type, and where its outputs go.
+// Whether ggml-cpu's mul_mat of a `type` weight over m > 1 activation rows hands it to llamafile's
+// sgemm (x86 with AVX, Arm with dot products) rather than to its vec_dot: the float types and
+// Q4_0, Q5_0, Q8_0, IQ4_NL.
+bool sgemm_takes(ggml_type type) {
+  return is_float_type(type) || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 ||
+         type == GGML_TYPE_Q8_0 || type == GGML_TYPE_IQ4_NL;
+}
+
+// Whether a plain weight's product over m activation rows (rows of row_bytes) runs as
+// direct_dot_rows (see kDirectDotRows): a quantized type whose vec_dot takes one row at a time, at
+// 1 row, or at 2 to kDirectDotRows rows where ggml would not use sgemm (short rows: fewer).
+bool takes_dot_rows(ggml_type type, int64_t m, int64_t row_bytes) {
+  const auto* traits = ggml().ggml_get_type_traits_cpu(type);
+  const int64_t most = row_bytes >= kLongRowBytes ? kDirectDotRows : kShortRowsDotRows;
+  return m >= 1 && m <= most && traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1 &&
+         (m == 1 || !sgemm_takes(type));
+}
+
+// One packed weight of a product over m <= kDirectDotRows activation rows: its rows, its dot
+// product, the m activation rows quantized to that dot product's type (x_stride bytes apart), and
+// where its outputs go ((m, rows), out_stride floats apart).
 struct DotRows {
   const uint8_t* w;
   int64_t stride, row_bytes, rows;
   ggml_vec_dot_t vec_dot;
   const uint8_t* xq;
+  int64_t x_stride, m;
   float* out;
+  int64_t out_stride;
 };
 
 // Weight bytes a thread takes at least: below ~64 KiB the second thread's start and join cost more
@@ -209,13 +252,19 @@ int64_t total_bytes(const std::vector<DotRows>& dots) {
   return total;
 }
 
-// out[r] = W[r] . x for the rows [r0, r1) of one weight, with ggml-cpu's vec_dot, in row order.
+// out[j, r] = W[r] . x[j] for the rows [r0, r1) of one weight and every activation row j, with
+// ggml-cpu's vec_dot, in row order for each j: the rows are read from memory for the first and
+// from the cache for the others.
 void dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
-  for (int64_t i = r0; i < r1; ++i)
-    d.vec_dot(static_cast<int>(k), d.out + i, 0, d.w + i * d.stride, 0, d.xq, 0, 1);
+  for (int64_t j = 0; j < d.m; ++j) {
+    const uint8_t* x = d.xq + j * d.x_stride;
+    float* out = d.out + j * d.out_stride;
+    for (int64_t i = r0; i < r1; ++i)
+      d.vec_dot(static_cast<int>(k), out + i, 0, d.w + i * d.stride, 0, x, 0, 1);
+  }
 }
 
-// Piece t of `pieces` of the one-row products `dots` (`total` bytes of weights): the weights laid
+// Piece t of `pieces` of the products `dots` (`total` bytes of weights): the weights laid
 // end to end and cut into pieces of about equal bytes (share_rows), each read in row order.
 void dot_share(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64_t t,
                int64_t pieces) {
@@ -230,7 +279,7 @@ void dot_share(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64
 // Bytes of weight rows a thread of direct_dot_rows takes at a time from a run (DotRuns).
 constexpr int64_t kDotChunkBytes = int64_t{1} << 16;
 
-// The one-row products `dots` (`total` bytes of weights) cut for `threads` threads: the weights
+// The products `dots` (`total` bytes of weights) cut for `threads` threads: the weights
 // laid end to end in one run of about equal bytes per thread (see kDirectDotRows), each run in
 // chunks of about kDotChunkBytes taken from a counter of its own. A thread works through its own
 // run in order, then takes the next chunks of the others' runs, so a thread that starts late (a
@@ -265,24 +314,29 @@ class DotRuns {
   std::unique_ptr<std::atomic<int64_t>[]> next_;
 };
 
-// out_w = x @ W.T for one activation row and every weight W of `dots` (each with k columns), with
-// ggml-cpu's vec_dot, one run of rows per thread (DotRuns). Several weights that read the same
-// activations (q/k/v, gate/up) so share one parallel region, and small ones are not left to a
-// single thread.
-void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k) {
-  const int64_t total = total_bytes(dots), threads = threads_for(total);
+// out_w = x @ W.T for a few activation rows and every weight W of `dots` (each with k columns, all
+// over the same m rows), with ggml-cpu's vec_dot, one run of rows per thread (DotRuns). Several
+// weights that read the same activations (q/k/v, gate/up) so share one parallel region, and small
+// ones are not left to a single thread.
+void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k, int64_t m) {
+  const int64_t total = total_bytes(dots), threads = threads_for(total * m);
   const DotRuns runs(dots, k, total, threads);
   run_shares(threads, [&](int64_t t) { runs.work(t); });
 }
 
-DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, at::Tensor& out) {
+// xq: (m, row_size) activations quantized; out2: (m, N) float32 with a dense last dim.
+DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq,
+                 const at::Tensor& out2) {
   return {static_cast<const uint8_t*>(blocks.data_ptr()),
           blocks.stride(0),
           blocks.size(1),
           blocks.size(0),
           ggml().ggml_get_type_traits_cpu(type)->vec_dot,
           static_cast<const uint8_t*>(xq.data_ptr()),
-          out.data_ptr<float>()};
+          xq.stride(0),
+          xq.size(0),
+          out2.data_ptr<float>(),
+          out2.stride(0)};
 }
 
 // (token, expert) pairs up to which mul_mat_id calls the dot products itself, as mul_mat does for
@@ -552,8 +606,8 @@ at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_i
   }
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
-  if (m <= kDirectDotRows && xq.defined() && traits->nrows == 1) {
-    direct_dot_rows({dot_rows(blocks, type, xq, out)}, k);
+  if (takes_dot_rows(type, m, blocks.size(1))) {
+    direct_dot_rows({dot_rows(blocks, type, xq, out2)}, k, m);
     return out;
   }
   if (m <= kShareRows && reads_quantized_x(type)) {
@@ -578,8 +632,8 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
     const std::string name = "blocks[" + std::to_string(i) + "]";
     stored[i] = check_weight(blocks[i], type_ids[i], out_features[i], x, name.c_str()).first;
   }
-  // Each weight's path: one-row dot products (plain weights, one row), ggml's mul_mat on plain
-  // weights (2 to kShareRows rows), ggml's repacked kernels (repacked weights, fewer than
+  // Each weight's path: dot products (plain weights, takes_dot_rows), ggml's mul_mat on plain
+  // weights (others up to kShareRows rows), ggml's repacked kernels (repacked weights, fewer than
   // kPlainLayoutRows rows), or mul_mat on its own. The first three run together: the activations
   // quantized once per dot-product type (Q4_K and Q6_K share Q8_K), then one parallel region over
   // all their rows, each thread taking its share of every kind.
@@ -587,9 +641,10 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   auto is_plain_quantized = [&](const Storage& st) {
     return !st.repacked && reads_quantized_x(st.type);
   };
-  auto is_direct = [&](const Storage& st) {
-    return m >= 1 && m <= kDirectDotRows && is_plain_quantized(st) &&
-           ggml().ggml_get_type_traits_cpu(st.type)->nrows == 1;
+  auto is_direct = [&](size_t i) {
+    const Storage& st = stored[i];
+    return !st.repacked && !is_float_type(st.type) &&
+           takes_dot_rows(st.type, m, blocks[i].size(-1));
   };
   auto is_few_repacked = [&](const Storage& st) {
     return st.repacked && m >= 1 && m < kPlainLayoutRows;
@@ -604,7 +659,7 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   at::Tensor xf;
   for (size_t i = 0; i < n; ++i) {
     const Storage& st = stored[i];
-    if (!is_direct(st) && !is_few_repacked(st) && !is_few_plain(st)) {
+    if (!is_direct(i) && !is_few_repacked(st) && !is_few_plain(st)) {
       outs[i] = mul_mat(blocks[i], x, type_ids[i], out_features[i]);
       continue;
     }
@@ -620,15 +675,15 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
                            [&](const auto& e) { return e.first == vdt; });
     if (it == quantized.end())
       it = quantized.insert(quantized.end(), {vdt, activations_for(xf, st.type)});
-    if (m == 1) {
-      dots.push_back(dot_rows(blocks[i], st.type, it->second, outs[i]));
+    if (is_direct(i)) {
+      dots.push_back(dot_rows(blocks[i], st.type, it->second, out2));
     } else {
       few.push_back({blocks[i], st.type, false, it->second, vdt, out2});
     }
   }
   if (!xf.defined()) return outs;
   const int64_t k = x.size(-1), dot_total = total_bytes(dots);
-  const int64_t threads = threads_for(dot_total + weighed_bytes(few, m));
+  const int64_t threads = threads_for(dot_total * m + weighed_bytes(few, m));
   const DotRuns runs(dots, k, dot_total, threads);
   run_shares(threads, [&](int64_t t) {
     if (dot_total > 0) runs.work(t);

@@ -295,8 +295,9 @@ def test_mul_mat_group_decode_shapes_and_threads(gq):
 @pytest.mark.parametrize("m", [2, 4, 8, 16, 31])
 def test_mul_mat_group_few_rows_split_over_threads(gq, m):
     """2-128 activation rows (a prompt; Q4_1 up to 31, from 32 on mul_mat's dense path takes it):
-    each weight's rows divided equally between the threads (at multiples of 16 rows), each thread
-    one graph of its slices of every weight; mul_mat splits a single weight the same way. One and two threads give the same values, grouped or not, also for
+    up to 4 the dot products of 1 row (these 360-byte rows), from 5 each weight's rows divided
+    equally between the threads (at multiples of 16 rows), each thread one graph of its slices of
+    every weight; mul_mat splits a single weight the same way. One and two threads give the same values, grouped or not, also for
     weights that fall wholly to one thread (the 1-row and 16-row ones); the one-thread product of a
     whole weight is ggml's mul_mat graph unsplit (tests/test_ggml_oracle.py holds it to ggml's op)."""
     cols = 576
@@ -324,9 +325,8 @@ def test_mul_mat_group_few_rows_split_over_threads(gq, m):
 # end and cut into one run of about equal bytes per thread, and one thread below 64 KiB of weights each
 # (quantization_cpu.cpp, kDirectDotRows). These row counts (2048 columns: 1152-byte Q4_K rows) land
 # on both sides of the second thread's 128 KiB and put the cut at even and odd rows. Every output
-# must be computed once, whatever the split: the first row of a 2-row product, ggml's own mul_mat graph
-# with the same vec_dot per output for these types (no sgemm for them on x86, no tiled kernel below 8
-# rows), is bit-identical.
+# must be computed once, whatever the split: the first row of a 2-row product (the same dot products
+# over two rows, held to ggml's graph by test_few_rows_dot_products_equal_ggml_graph) is bit-identical.
 @pytest.mark.parametrize("rows", [1, 63, 65, 200, 512, 513, 1000])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("t", [12, 14, 3], ids=lambda t: TYPE_IDS[t])
@@ -344,6 +344,35 @@ def test_one_row_split_computes_every_row_once(gq, t, rows, threads):
     torch.testing.assert_close(one[0], two[0], rtol=0, atol=0)
     torch.testing.assert_close(grouped, one, rtol=0, atol=0)
     assert rel_err(one, gq.reference.mul_mat_emulated(blocks, x[:1], t, rows)) < MATMUL_RTOL
+
+
+# From 2 to 7 activation rows the types ggml-cpu runs on its vec_dot (not llamafile's sgemm; from 8
+# rows the K-quants go to its tiled kernel) take the same dot products without a graph, in 64 KiB
+# pieces of rows per activation row (quantization_cpu.cpp, takes_dot_rows: up to 4 rows on rows of
+# under 1 KiB). Each output is the one ggml's vec_dot gives for that row alone, and where the graph
+# takes over (5-7 rows of short rows) its rows are the same bits. 2048 columns make rows of
+# 1152-1680 bytes, 256 columns rows of 144-210; 513 rows put the threads' cut at an odd row.
+@pytest.mark.parametrize("m", [2, 4, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(513, 2048), (200, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("t", [12, 14, 3], ids=lambda t: TYPE_IDS[t])
+def test_few_rows_dot_products_equal_ggml_graph(gq, t, shape, threads, m):
+    rows, cols = shape
+    blocks, cols = make_weights(gq, t, rows=rows, cols=cols, seed=rows + m)
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(m))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        few = gq.mul_mat_vec(blocks, x[:m], t, rows)
+        (grouped,) = gq.mul_mat_group([blocks], x[:m], [t], [rows])
+        alone = torch.cat([gq.mul_mat_vec(blocks, x[j : j + 1], t, rows) for j in range(m)])
+        seven = gq.mul_mat_vec(blocks, x, t, rows)  # the graph on short rows
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(few, alone, rtol=0, atol=0)
+    torch.testing.assert_close(few, seven[:m], rtol=0, atol=0)
+    torch.testing.assert_close(grouped, few, rtol=0, atol=0)
+    assert rel_err(few, gq.reference.mul_mat_emulated(blocks, x[:m], t, rows)) < MATMUL_RTOL
 
 
 # A group's weights laid end to end: the cut between the two threads' runs falls inside the first
