@@ -342,14 +342,7 @@ def repacked_linears(model) -> dict[str, int]:
 
     from . import locate, repacking
 
-    quant = kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs())
-    found: dict[str, int] = {}
-    for module in model.modules():
-        ggml_type = getattr(module, "ggml_type", None)
-        if isinstance(ggml_type, int) and repacking.is_repacked(quant, ggml_type):
-            name = quant.type_name(repacking.base_type(quant, ggml_type))
-            found[name] = found.get(name, 0) + 1
-    return found
+    return repacking.by_type(model, kernels.get_kernel(locate.QUANTIZATION, version=1, **locate.backend_kwargs()))
 
 
 def dense_prefill_active() -> bool:

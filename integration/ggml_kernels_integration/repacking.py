@@ -89,6 +89,15 @@ def install(model, quant, types: frozenset[int] | None = None) -> int:
     return done
 
 
+def by_type(model, quant) -> dict[str, int]:
+    """GGUF type name -> how many of the model's modules hold a weight repacked by `install` now."""
+    found: Counter[str] = Counter()
+    for module in model.modules():
+        if module in _repacked and is_repacked(quant, module.ggml_type):
+            found[quant.type_name(base_type(quant, module.ggml_type))] += 1
+    return dict(found)
+
+
 def count_in(model) -> int:
     """How many of the model's modules hold a weight repacked by `install` now."""
     return sum(1 for module in model.modules() if module in _repacked)

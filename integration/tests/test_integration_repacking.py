@@ -120,6 +120,8 @@ def test_enable_s_choice_picks_the_types(quant, monkeypatch):
         gk._repack_if_asked(model, quant)
         assert {n for n in ("q4k", "q4_0", "q6k") if repacking.is_repacked(quant, getattr(model, n).ggml_type)} == repacked
         assert repacking.count_in(model) == len(repacked)  # what summary() reports
+        names = {"q4k": "Q4_K", "q4_0": "Q4_0"}
+        assert repacking.by_type(model, quant) == {names[n]: 1 for n in repacked}  # what bench records
     repacking.unpack_all(quant)
     monkeypatch.delattr(quant, "faster_repacked_types")  # a build from before the rule: nothing
     assert repacking.chosen_types(quant, "auto") == frozenset()

@@ -146,8 +146,9 @@ bool reads_quantized_x(ggml_type t) {
 // activation row), in blocks of 16 weight rows. direct_dot_rows does the same in blocks of a
 // 64 KiB piece's rows: each piece's rows are read from DRAM once and then from the cache for the
 // other activation rows, and the results are bit-identical to ggml's op. With ggml's 16-row blocks
-// (23 KiB of a 2560-column Q4_K weight), which its graph also uses, a Q4_K 9216x2560 product at 2 /
-// 4 rows ran at 0.81 / 0.85x ggml's own op on an Intel Xeon (2 threads), with 64 KiB pieces
+// (23 KiB of a 2560-column Q4_K weight) walked through each thread's own run, as a graph per thread
+// walks them, a Q4_K 9216x2560 product at 2 / 4 rows ran at 0.81 / 0.85x ggml's own op on an Intel
+// Xeon (2 threads; ggml's op deals its 16-row chunks to the threads in turn), with 64 KiB pieces
 // 1.07-1.13x. Intel Xeon (AVX-512 + AMX, 2 vCPUs), one process, alternating, 7-11 rounds
 // (2026-12-06):
 // - against ggml's op, Q4_1 / Q4_K / Q6_K on 9216x2560 and 2560x9216, 2 and 4 rows, 1 and 2

@@ -145,7 +145,7 @@ def native_bf16_dot(cpuinfo: str = cpu.CPUINFO) -> bool:
     return bool(BF16_DOT_FLAGS & cpu.flags(cpu.read_cpuinfo(cpuinfo)))
 
 
-NATIVE_BF16: bool = native_bf16_dot()
+NATIVE_BF16: bool = bool(BF16_DOT_FLAGS & cpu.flags(cpu.CPU))  # this CPU's (cpu.CPU: read once)
 # whether oneDNN's bfloat16 GEMM runs on AMX tiles here (AMX_MIN_ROWS apply)
 AMX_BF16: bool = "amx_bf16" in cpu.flags(cpu.CPU)
 
