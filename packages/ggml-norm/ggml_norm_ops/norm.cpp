@@ -58,10 +58,16 @@ void check_vector(const at::Tensor& w, int64_t n, const char* name) {
                     " values (x's last dim), got shape ", w.sizes());
 }
 
-// 1 + w[i] for n values, as float32: the same sums as torch's `w.float() + 1`.
+// 1 + w[i] for n values, as float32: the same sums as torch's `w.float() + 1`. In blocks of 16 the
+// compiler turns into vector operations (a plain loop over n stayed scalar at -O2: 2 us of a 7.3 us
+// zero-centred norm of 4096 values).
 template <typename T>
-void plus_one_f32(const T* w, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(w[i]) + 1.0f;
+void plus_one_f32(const T* __restrict__ w, float* __restrict__ out, int64_t n) {
+  constexpr int64_t kBlock = 16;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    for (int64_t j = 0; j < kBlock; ++j) out[i + j] = static_cast<float>(w[i + j]) + 1.0f;
+  for (; i < n; ++i) out[i] = static_cast<float>(w[i]) + 1.0f;
 }
 
 // A per-feature parameter (weight, bias) as the float32 vector ggml's binary ops broadcast over the
