@@ -62,7 +62,8 @@ and keep ggml's path.
 CPUs without native bfloat16 dot products (neither AVX512-BF16 nor AMX-BF16 in the CPU's flags):
 oneDNN emulates bfloat16 there with float32 arithmetic plus conversions, and no measurement shows
 this path faster than ggml's, so `mul_mat` keeps ggml's path on them. The CPU builds are x86-64
-Linux only, so the flags are read from /proc/cpuinfo (`native_bf16_dot`), once, at import.
+Linux only, so the flags come from /proc/cpuinfo, read once at import (`cpu.CPU`;
+`native_bf16_dot` reads another file's).
 
 Chunks. The weight is dequantized and multiplied a chunk of rows at a time, so that the chunk ggml's
 dequantize writes is still in cache when the GEMM reads it, and a large matrix (a 49152-row
