@@ -119,14 +119,15 @@ bool reads_quantized_x(ggml_type t) {
 }
 
 // How a product of a plain (not repacked) weight runs, by activation rows m. The same rule on every
-// x86 CPU: each path runs ggml-cpu's own dot products (ggml's CPU level picks the instructions; no
-// CPU feature picks a path), and each thread reads its weight rows in order, as ggml's do.
+// x86 CPU but for the prefetch: each path runs ggml-cpu's own dot products (ggml's CPU level picks
+// the instructions; no CPU feature picks a path), and each thread reads its weight rows in order,
+// as ggml's do.
 //
 //   m     path                                  split over threads              prefetch
-//   1-7   ggml's vec_dot per weight row and     one run of about equal bytes    none (as ggml)
-//         activation row, no graph              per thread, a group's weights
-//         (direct_dot_rows; from 2 rows only    end to end; >= 64 KiB each; a
-//         types sgemm does not take, from 5     thread done early takes the
+//   1-7   ggml's vec_dot per weight row and     one run of about equal bytes    2 KiB ahead on
+//         activation row, no graph              per thread, a group's weights   Intel CPUs,
+//         (direct_dot_rows; from 2 rows only    end to end; >= 64 KiB each; a   none elsewhere
+//         types sgemm does not take, from 5     thread done early takes the     (prefetch_ahead)
 //         rows only rows of >= 1 KiB: see       others' next 64 KiB (DotRuns)
 //         takes_dot_rows)
 //   2-128 ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
@@ -170,13 +171,25 @@ bool reads_quantized_x(ggml_type t) {
 // 1.15x and Qwen3.5-0.8B-shaped Q4_K_M 1.26x faster (1.12x / 1.17x built apart, fresh processes in
 // turn, 4 rounds).
 //
-// No software prefetch: requesting each weight row ~4 KB ahead with prefetchnta made a 9216x2560
-// Q4_K product on an Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 cores) 2.25 ms on one thread against
-// ggml's 0.76 ms, whichever ggml CPU level ran (the likely reason, not measured there: a
-// non-temporal prefetch fills the L1 alone, so the L2's streaming prefetcher does not see the
-// stream). On the EPYC it cost up to 1.5x on 9216-column rows (2560x9216 Q6_K 2.58 against 1.74 ms,
-// one thread, 128 MB cycled) and won 1.05-1.17x only on SmolLM2's short rows
-// (docs/benchmarks.md, "One-row products").
+// Software prefetch (prefetch_ahead): on Intel CPUs each weight row's bytes 2 KiB ahead are asked
+// for with prefetcht0 (into every cache level) as the row is read. A decode step reads every
+// weight once from DRAM, and an Intel core alone keeps too few misses in flight to stream it: the
+// prefetch raises a thread's stream from ~6 GB/s. Intel Xeon (AVX-512 VNNI/BF16/AMX, 2 vCPUs,
+// KVM), one build switched in one process (2026-12-06):
+// - a decode step's products in the step's order, against ggml's own op per weight
+//   (tools/bench/step_products.py, 11-15 alternating rounds): Qwen3.5-0.8B-shaped Q4_K_M 0.95-0.98x
+//   -> 1.29-1.36x (30.0 -> 21.1 ms, 2 threads; 2, 4 and 8 KiB ahead alike), SmolLM2-135M Q4_1
+//   1.04x -> 1.30x on 2 threads (6.8 -> 4.6 ms), 0.96x -> 1.21x on one;
+// - one-row products of Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 on 9216x2560 and 2560x9216, 2 threads,
+//   against ggml's op (tools/bench/versus_ggml.py, 9 rounds): 0.89-1.01x -> 1.07-1.44x; at 4 rows
+//   Q4_1 / Q4_K / Q6_K 1.00-1.17x -> 1.06-1.33x.
+// The non-temporal prefetchnta instead, ~4 KB ahead, had made a 9216x2560 Q4_K product there
+// 2.25 ms on one thread against ggml's 0.76 ms (a non-temporal prefetch fills the L1 alone, and the
+// L2's streaming prefetcher does not see the stream). Not on other CPUs: on an AMD EPYC (zen4, 2
+// cores) prefetchnta and prefetcht0 ~4 KB ahead alike cost up to 1.5x on 9216-column rows
+// (2560x9216 Q6_K 2.58 against 1.74 ms, one thread, 128 MB cycled) and won 1.05-1.17x only on
+// SmolLM2's short rows (2026-12-05; docs/benchmarks.md, "One-row products"); 2 KiB ahead is not
+// measured there.
 constexpr int64_t kDirectDotRows = 7;  // one below ggml's tiled kernel's 8 rows: the same bits
 // ... of which rows up to kShortRowsDotRows for weights whose rows hold fewer than kLongRowBytes.
 constexpr int64_t kShortRowsDotRows = 4;
@@ -253,15 +266,37 @@ int64_t total_bytes(const std::vector<DotRows>& dots) {
   return total;
 }
 
+// Bytes ahead of the weight row being read that direct_dot_rows asks the caches for: 2 KiB on
+// Intel CPUs, 0 (none) elsewhere; see kDirectDotRows for the measurements.
+int64_t prefetch_ahead() {
+  static const int64_t ahead = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? int64_t{2048} : int64_t{0};
+  }();
+  return ahead;
+}
+
+// prefetcht0 for each cache line of [p, p + bytes) that lies before `end`.
+void prefetch_range(const uint8_t* p, int64_t bytes, const uint8_t* end) {
+  for (const uint8_t* line = p; line < p + bytes && line < end; line += 64)
+    __builtin_prefetch(line, 0, 3);
+}
+
 // out[j, r] = W[r] . x[j] for the rows [r0, r1) of one weight and every activation row j, with
 // ggml-cpu's vec_dot, in row order for each j: the rows are read from memory for the first and
 // from the cache for the others.
 void dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
+  if (r0 >= r1) return;
+  const int64_t ahead = prefetch_ahead();
+  const uint8_t* end = d.w + (r1 - 1) * d.stride + d.row_bytes;  // the range's last weight byte + 1
   for (int64_t j = 0; j < d.m; ++j) {
     const uint8_t* x = d.xq + j * d.x_stride;
     float* out = d.out + j * d.out_stride;
-    for (int64_t i = r0; i < r1; ++i)
-      d.vec_dot(static_cast<int>(k), out + i, 0, d.w + i * d.stride, 0, x, 0, 1);
+    for (int64_t i = r0; i < r1; ++i) {
+      const uint8_t* row = d.w + i * d.stride;
+      if (j == 0 && ahead > 0) prefetch_range(row + ahead, d.row_bytes, end);
+      d.vec_dot(static_cast<int>(k), out + i, 0, row, 0, x, 0, 1);
+    }
   }
 }
 
