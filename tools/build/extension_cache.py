@@ -125,7 +125,7 @@ def _read_headers(manifest: Path) -> list[str] | None:
 
 
 def _store(so: Path, cached: Path, kind: str) -> None:
-    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    tmp = files.own_temp(cached)
     shutil.copy2(so, tmp)
     os.replace(tmp, cached)
     entries = sorted(cached.parent.glob(f"{kind}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)

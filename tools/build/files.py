@@ -12,17 +12,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def own_temp(path: Path, suffix: str = ".tmp") -> Path:
+    """A temporary name beside `path` that no other process writes: `path` is made there, then
+    replaces it in one step."""
+    return path.with_name(f"{path.name}.{os.getpid()}{suffix}")
+
+
 def copy_if_changed(src: Path, dst: Path) -> None:
     if dst.exists() and dst.stat().st_size == src.stat().st_size and dst.read_bytes() == src.read_bytes():
         return
-    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+    tmp = own_temp(dst)
     shutil.copy2(src, tmp)
     os.replace(tmp, dst)
 
 
 def write_if_changed(path: Path, text: str) -> None:
     if not path.exists() or path.read_text() != text:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = own_temp(path)
         tmp.write_text(text)
         os.replace(tmp, path)
 
@@ -48,7 +54,7 @@ def made_once(path: Path, is_current: Callable[[Path], bool], write: Callable[[P
     with _locked(path):
         if is_current(path):
             return False
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+        tmp = own_temp(path, ".part")
         try:
             write(tmp)
             os.replace(tmp, path)

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from tools import REPO
+from tools.build import files
 
 
 def pin() -> dict:
@@ -53,7 +54,7 @@ def _download_from_index(pkg: str, filename: str, dest: Path) -> None:
         with urllib.request.urlopen(req, timeout=60) as r:
             files = json.load(r)["files"]
         url = next(f["url"] for f in files if f["filename"] == filename)
-        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.part")
+        tmp = files.own_temp(dest, ".part")
         with urllib.request.urlopen(url, timeout=600) as r, open(tmp, "wb") as out:
             shutil.copyfileobj(r, out, 1 << 20)
         tmp.rename(dest)
@@ -121,7 +122,7 @@ def upstream_license() -> Path:
     member = p["sdist"]["ggml_subdir"].rstrip("/").rsplit("/", 1)[0] + "/LICENSE"
     with tarfile.open(sdist_path()) as tar:
         data = tar.extractfile(member).read()
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    tmp = files.own_temp(dest)
     tmp.write_bytes(data)
     tmp.replace(dest)
     return dest
