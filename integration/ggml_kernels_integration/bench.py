@@ -217,11 +217,16 @@ class StaticCompiledRunner(TransformersRunner):
         self.position = 0
 
     def prefill(self, ids: list[int]):
+        """The prompt's forward through the compiled call where prompts are packaged (as generate()
+        sends it there, `compiled_decode.prompt_in_one_chunk`), else the model's own."""
         import torch
 
+        from . import packaged_steps
+
         self.cache.reset()
-        out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         cache_position=torch.arange(len(ids)))
+        forward = self.step if packaged_steps.prompts_enabled() else self.model
+        out = forward(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                      cache_position=torch.arange(len(ids)))
         self.position = len(ids)
         return self.cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -391,14 +396,18 @@ def _bench_transformers(path: Path, backend: str, prompt_tokens, decode_tokens: 
 
 def compile_record(model) -> dict:
     """kernels-compiled: compile_s ("batch x cache positions" -> seconds of that compile of the decode
-    step) and compile_failure (why it decoded eagerly instead, None when it did not)."""
+    step), prompt_packages ("first-last" tokens -> seconds of that prompt package's export, 0 where it
+    was loaded) and compile_failure (why it decoded eagerly instead, None when it did not)."""
     from . import compiled_decode
 
     rec = compiled_decode.record(model)
     compiles = rec.compiles if rec else {}
     loaded = rec.loaded_shapes() if rec else set()
+    packaged = rec.packaged if rec else None
+    prompts = {**dict.fromkeys(packaged.prompt_loaded, 0.0), **packaged.prompt_exported} if packaged else {}
     return {"compile_s": {f"{batch} x {positions}": seconds for (batch, positions), seconds in compiles.items()},
             "loaded": [f"{batch} x {positions}" for batch, positions in sorted(loaded)],
+            "prompt_packages": {f"{first}-{last}": seconds for (_, _, first, last), seconds in sorted(prompts.items())},
             "compile_failure": rec.failure if rec else None}
 
 
@@ -409,7 +418,10 @@ def describe_compiles(result: dict) -> str:
     loaded = result.get("loaded", [])
     shapes = ", ".join(f"batch {shape} positions: {s:.1f} s{' (loaded from the stored steps)' if shape in loaded else ''}"
                        for shape, s in result.get("compile_s", {}).items())
-    return f"decode step compiled once per model and shape, not timed ({shapes})"
+    prompts = result.get("prompt_packages") or {}
+    packaged = (f"; prompts' forwards packaged for {', '.join(prompts)} tokens ({sum(prompts.values()):.1f} s "
+                "exporting here)") if prompts else ""
+    return f"decode step compiled once per model and shape, not timed ({shapes}){packaged}"
 
 
 def _bench_llama_cpp(path: Path, prompt_tokens, decode_tokens: int, repeats: int, threads: int) -> dict:

@@ -28,6 +28,10 @@ per doubling. The seconds of each compile are kept per model, logged, and shown 
 compile that fails (dynamo or inductor raises before the graph runs, so nothing was written into the
 cache) falls back to the eager forward for that step and the model's later generations, with one
 warning; so does a model whose step needs a graph break (`fullgraph`).
+With prompts packaged too (`packaged_steps`, torch 2.15 on), such a generate() asks transformers
+for its prompt in one prefill chunk (`prompt_in_one_chunk`: `prefill_chunk_size`, whose chunks go
+through the compiled call), and the prompt's forward runs its package (stored, or exported where
+compiling is allowed) or eagerly.
 Inside a compiled step `projection_groups`' shared calls step aside (`torch.compiler.is_compiling()`:
 they keep outputs between calls) and `decode_graph` groups the same products on the graph, which
 changes no bit; `kv_cache` is not involved (a static cache).
@@ -156,7 +160,23 @@ class Record:
         shapes = ", ".join(f"batch {b} x {n} positions: {s:.1f} s" for (b, n), s in self.compiles.items())
         loaded = len(self.loaded_shapes())
         stored = f"; {loaded} loaded from {stored_steps.folder()}" if loaded else ""
-        return f"compiled decode steps ({shapes}{stored})" if shapes else ""
+        return f"compiled decode steps ({shapes}{stored}){self._prompts()}" if shapes else ""
+
+    def _prompts(self) -> str:
+        """What the packaged prompts' forwards did, if anything: the lengths served, loaded or exported."""
+        if self.packaged is None:
+            return ""
+        exported = self.packaged.prompt_exported
+        loaded = {name: s for name, s in self.packaged.prompt_loaded.items() if name not in exported}
+        parts = [f"loaded for {_spans(loaded)} tokens"] if loaded else []
+        if exported:
+            parts.append(f"exported for {_spans(exported)} tokens in {sum(exported.values()):.1f} s")
+        return f"; prompt packages {' and '.join(parts)}" if parts else ""
+
+
+def _spans(times: dict) -> str:
+    """The prompt lengths of packages keyed (batch, positions, first, last), as "2-8, 9-31"."""
+    return ", ".join(f"{first}-{last}" for _, _, first, last in sorted(times))
 
 
 def record(model) -> Record | None:
@@ -215,6 +235,21 @@ def _batch_and_new_tokens(config, args: tuple, kwargs: dict) -> tuple[int, int, 
         length = kwargs.get("max_length", getattr(config, "max_length", None))
         new = None if length is None else length - ids.shape[1]
     return None if new is None else (ids.shape[0], ids.shape[1], new)
+
+
+def prompt_in_one_chunk(model, args: tuple, kwargs: dict) -> dict:
+    """generate()'s `prefill_chunk_size` that sends the whole prompt through the compiled call in one
+    chunk, where prompts are packaged (`packaged_steps.prompts_enabled`), the caller chose no chunks
+    and the prompt is no longer than a package serves; {} otherwise (the prompt's forward eager, as
+    transformers runs it)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if not packaged_steps.prompts_enabled() or kwargs.get("prefill_chunk_size") is not None \
+            or getattr(config, "prefill_chunk_size", None) is not None:
+        return {}
+    asked = _batch_and_new_tokens(config, args, kwargs)
+    if asked is None or not 1 <= asked[1] <= packaged_steps.MAX_PROMPT_TOKENS:
+        return {}  # a longer prompt's eager forward is as fast (`MAX_PROMPT_TOKENS`)
+    return {"prefill_chunk_size": asked[1]}
 
 
 def repays_a_compile(rec: Record | None, config, args: tuple, kwargs: dict) -> bool:
@@ -319,6 +354,12 @@ def _shape(kwargs: dict) -> tuple:
     return batch, max((getattr(layer, "max_cache_len", 0) or 0 for layer in layers), default=None)
 
 
+def is_prompt(kwargs: dict) -> bool:
+    """Whether a forward's arguments are a prompt's: input_ids of more than one token per row."""
+    ids = kwargs.get("input_ids")
+    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1
+
+
 def _is_compile_error(error: BaseException) -> bool:
     from torch._dynamo.exc import TorchDynamoException
     from torch._inductor.exc import InductorError
@@ -334,6 +375,8 @@ def guarded(model, compiled, eager):
     def call(*args, **kwargs):
         if rec.failure:
             return eager(*args, **kwargs)
+        if compiled is rec.packaged and is_prompt(kwargs) and packaged_steps.prompts_enabled():
+            return compiled(*args, **kwargs)  # its package, or the eager forward: timed by `PackagedSteps`
         shape = _shape(kwargs)
         first = shape not in rec.compiles
         if first:  # the wait is tens of seconds: say so before it starts
@@ -382,7 +425,8 @@ def install(patches, quant) -> None:
             lengths = plan(self, args, kwargs)
             if lengths is None:
                 return original(self, *args, **kwargs)
-            kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config()}
+            kwargs = {**kwargs, "cache_implementation": "static", "compile_config": compile_config(),
+                      **prompt_in_one_chunk(self, args, kwargs)}
             tokens = _sizing.set(lengths), _may_compile.set(not lengths)
             try:
                 with stored_steps.one_generation():

@@ -34,7 +34,7 @@ LOAD = """
 import json, os, sys, time, warnings
 import torch
 import ggml_kernels_integration as gk
-from ggml_kernels_integration import compiled_decode
+from ggml_kernels_integration import compiled_decode, packaged_steps
 from transformers import AutoModelForCausalLM
 from tools.models import make_gguf
 
@@ -57,10 +57,17 @@ def rel(a, b):
 """
 
 COMPILED = LOAD + """
+def prompt_exports():  # (lengths, seconds) of the prompt packages exported so far (packaged_steps)
+    packaged = compiled_decode.record(model).packaged
+    times = packaged.prompt_exported if packaged is not None else {}
+    return sorted(times), sum(times.values())
+
 tokens, logits, cache = gen()
+exported_before = prompt_exports()
 start = time.perf_counter()
 again = gen()
-again_s = time.perf_counter() - start
+again_s = time.perf_counter() - start - (prompt_exports()[1] - exported_before[1])  # a prompt package's export
+prompts = prompt_exports()[0]
 lengths = [cache_len()]
 longer = gen(max_new_tokens=40)  # 50 positions: the same power-of-two cache, no new compile
 lengths.append(cache_len())
@@ -92,7 +99,8 @@ print("RESULT" + json.dumps({
     "first_token_dynamic": tokens[10] == dynamic[0][10], "same_tokens_dynamic": tokens == dynamic[0],
     "rel_dynamic": rel(logits, dynamic[1]),
     "rel_changed": rel(changed[1], changed_static[1]), "rel_changed_before": rel(changed_static[1], static[1]),
-    "summary": gk.report.describe(gk.summary(model)),
+    "summary": gk.report.describe(gk.summary(model)), "prompts": prompts,
+    "prompts_packaged": packaged_steps.prompts_enabled(),
 }))
 """
 
@@ -313,6 +321,10 @@ def test_compiled_once_per_shape_and_reported(compiled):
     assert res["cache_lengths"] == [256, 256] and res["longer_prefix_same"], res
     assert res["again_s"] < min(res["compile_s"]), res
     assert "compiled decode steps (batch 1 x " in res["summary"], res["summary"]
+    # from torch 2.15 the prompt's forward is packaged too: by the second generate() at the latest
+    # (a Qwen3.5 cache's linear-attention states are made by the first prompt's eager forward)
+    assert len(res["prompts"]) == (1 if res["prompts_packaged"] else 0), res
+    assert all(first <= 10 <= last for _, _, first, last in res["prompts"]), res
 
 
 @pytest.mark.slow
@@ -590,7 +602,8 @@ tokens, logits, cache = gen()
 padded = gen_padded()
 rec = compiled_decode.record(model)
 packaged = {"loaded": sorted(rec.packaged.loaded), "exported": sorted(rec.packaged.exported),
-            "compiled_here": rec.compiled_here(), "dynamo_steps": len(rec.stored.steps) if rec.stored else 0}
+            "compiled_here": rec.compiled_here(), "dynamo_steps": len(rec.stored.steps) if rec.stored else 0,
+            "prompts_loaded": sorted(rec.packaged.prompt_loaded), "prompts_exported": sorted(rec.packaged.prompt_exported)}
 describe = rec.describe()
 gk.enable(compile_decode=False)
 static = gen(cache_implementation="static")
@@ -612,10 +625,11 @@ def _packages_steps() -> bool:
 
 @pytest.mark.skipif(not _packages_steps(), reason="decode steps are packaged from torch 2.15 on")
 def test_a_packaged_step_is_loaded_by_the_next_process_and_serves_auto(tmp_path_factory, tmp_path):
-    """The first process exports the steps (one row; two, one of them left-padded) into packages and
-    stores them; the next loads them (no export, no dynamo step) and decodes the same tokens, and so
-    does one under "auto" asking for short generate()s, which compiles nothing; a damaged package is
-    exported anew. Each against the eager steps on a static cache, within the bounds above."""
+    """The first process exports the steps (one row; two, one of them left-padded) and the prompts'
+    forwards into packages and stores them; the next loads them (no export, no dynamo step) and
+    decodes the same tokens, and so does one under "auto" asking for short generate()s, which compiles
+    nothing; a damaged package is exported anew. Each against the eager steps on a static cache,
+    within the bounds above."""
     model = tmp_path / "llama-tiny.gguf"
     write_tiny_llama(model)
 
@@ -626,7 +640,7 @@ def test_a_packaged_step_is_loaded_by_the_next_process_and_serves_auto(tmp_path_
 
     runs = [packaged_run(True), packaged_run(True), packaged_run("auto")]
     names = sorted(runs[0]["files"])
-    (one_row,) = [name for name in names if "-1x256-" in name]
+    (one_row,) = [name for name in names if "-1x256-" in name and "-prompt-" not in name]
     (tmp_path / "steps" / one_row).write_bytes(b"not a package")
     runs.append(packaged_run(True))
     shapes = [[1, 256], [2, 256]]
@@ -634,17 +648,21 @@ def test_a_packaged_step_is_loaded_by_the_next_process_and_serves_auto(tmp_path_
         assert res["cache"] == "StaticCache" and res["failure"] is None, res
         assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, res
         assert res["same_padded"] and res["rel_padded"] < 0.005, res
-        assert res["tokens"] == runs[0]["tokens"] and sorted(res["files"]) == names and len(names) == 2, res
+        assert res["tokens"] == runs[0]["tokens"] and sorted(res["files"]) == names and len(names) == 4, res
         assert res["packaged"]["loaded"] == shapes and res["packaged"]["dynamo_steps"] == 0, res
+        # the 10-token prompts of one and two rows: a package each, its lengths around 10
+        assert [lengths[:2] for lengths in res["packaged"]["prompts_loaded"]] == shapes, res
+        assert all(first <= 10 <= last for *_, first, last in res["packaged"]["prompts_loaded"]), res
     assert [res["packaged"]["exported"] for res in runs] == [shapes, [], [], [[1, 256]]], runs
+    assert [len(res["packaged"]["prompts_exported"]) for res in runs] == [2, 0, 0, 0], runs
     assert [res["packaged"]["compiled_here"] for res in runs] == [True, False, False, True], runs
     assert "2 loaded from" in runs[1]["describe"], runs[1]
 
 
 def test_a_packaged_steps_arguments_are_served_or_left_to_the_fallback():
-    """What a package serves (`packaged_steps._split`): one token per row over a cache, tensors (and
-    dicts of masks) as inputs, plain values as constants; not several tokens, no cache, other objects,
-    hidden states or attentions asked for, tuples instead of a dict."""
+    """What a package serves (`packaged_steps._split`): tokens over a cache (one per row: a decode
+    step; more: a prompt), tensors (and dicts of masks) as inputs, plain values as constants; not no
+    tokens, no cache, other objects, hidden states or attentions asked for, tuples instead of a dict."""
     import torch
     from ggml_kernels_integration import packaged_steps
 
@@ -658,7 +676,9 @@ def test_a_packaged_steps_arguments_are_served_or_left_to_the_fallback():
     assert split is not None and split[0] is cache
     assert set(split[1]) == {"input_ids", "attention_mask", "position_ids"}
     assert split[2] == {"use_cache": True, "logits_to_keep": 1}
-    refused = [{"input_ids": torch.zeros(1, 2, dtype=torch.long), "past_key_values": cache},
+    prompt = packaged_steps._split({"input_ids": torch.zeros(1, 5, dtype=torch.long), "past_key_values": cache})
+    assert prompt is not None and prompt[1]["input_ids"].shape == (1, 5)  # a prompt: its own packages
+    refused = [{"input_ids": torch.zeros(1, 0, dtype=torch.long), "past_key_values": cache},
                {"input_ids": ids},
                {"input_ids": ids, "past_key_values": cache, "output_hidden_states": True},
                {"input_ids": ids, "past_key_values": cache, "return_dict": False},
@@ -782,3 +802,80 @@ def test_a_stored_steps_guards_are_checked_once_per_generation_and_inputs_layout
     with stored_steps.one_generation():  # the next generation checks anew
         call(), call()
     assert step.checks == 11 and steps.guard_checks == 11
+
+
+def test_a_prompt_package_is_named_by_the_lengths_it_serves():
+    from ggml_kernels_integration import packaged_steps
+
+    name = packaged_steps._prompt_name("ab12", 1, 256, "9-31", "0d86")
+    assert name == "ab12-prompt-1x256-t9-31-0d86.pt2" and packaged_steps._prompt_tokens(name) == (9, 31)
+    assert packaged_steps._prompt_name("ab12", 1, 256, "*", "0d86") == "ab12-prompt-1x256-t*-0d86.pt2"  # a glob
+    assert packaged_steps._prompt_tokens("ab12-1x256-0d86.pt2") is None  # a decode step's
+
+
+def test_a_prompts_layout_leaves_its_length_out():
+    """Prompts of other lengths share a package's name and key; the batch dim stays, whatever its
+    size; a non-contiguous input is refused (a package takes contiguous ones)."""
+    import torch
+    from ggml_kernels_integration import packaged_steps
+
+    def inputs(tokens, batch=1):
+        return {"input_ids": torch.zeros(batch, tokens, dtype=torch.long), "cache_position": torch.arange(tokens),
+                "attention_mask": {"full_attention": torch.ones(batch, 1, tokens, 256, dtype=torch.bool),
+                                   "linear_attention": None}}
+
+    assert packaged_steps._prompt_layout(inputs(5), 5) == packaged_steps._prompt_layout(inputs(7), 7)
+    assert packaged_steps._prompt_layout(inputs(5, batch=5), 5) != packaged_steps._prompt_layout(inputs(5), 5)
+    assert '"input_ids": ["torch.int64", [5, "T"]' in packaged_steps._prompt_layout(inputs(5, batch=5), 5)
+    assert packaged_steps._token_dims(inputs(5, batch=5)["input_ids"], 5) == {1: torch.export.Dim.AUTO}
+    strided = {"input_ids": torch.zeros(1, 8, dtype=torch.long)[:, ::2]}
+    assert packaged_steps._prompt_layout(strided, 4) is None
+
+
+def test_a_new_caches_linear_attention_states_are_made_as_the_eager_prompt_made_them():
+    """transformers makes a linear-attention layer's states on its first update: a cache is ready for
+    a packaged prompt once they exist and hold no previous state; `StateShapes` makes them in a new
+    cache as the eager prompt left them (ggml's transposed recurrent state included)."""
+    import torch
+    from ggml_kernels_integration import packaged_steps
+    from transformers.cache_utils import LinearAttentionLayer
+
+    class Cache:
+        def __init__(self):
+            self.layers = [LinearAttentionLayer(number_of_states=1)]
+
+    first, second = Cache(), Cache()
+    assert not packaged_steps._ready_for_prompt(first)
+    recurrent = torch.zeros(1, 4, 8, 8).transpose(-1, -2)  # as ggml-gated-delta-net returns it
+    first.layers[0].lazy_initialization(conv_states=torch.zeros(1, 24, 3), recurrent_states=recurrent,
+                                        state_idx=0, conv_kernel_size=4)
+    assert packaged_steps._ready_for_prompt(first)
+    shapes = packaged_steps.StateShapes()
+    shapes.keep(first, batch=1)
+    shapes.make(second, batch=2)  # another batch: nothing kept for it
+    assert not packaged_steps._ready_for_prompt(second)
+    shapes.make(second, batch=1)
+    made = second.layers[0]
+    assert packaged_steps._ready_for_prompt(second)
+    assert made.conv_states[0].shape == (1, 24, 4) and made.conv_kernel_size[0] == 4
+    assert made.recurrent_states[0].stride() == recurrent.stride() and not made.recurrent_states[0].any()
+    packaged_steps._after_prompt(second)  # the next step continues the prompt's state
+    assert made.has_previous_state[0] and not packaged_steps._ready_for_prompt(second)
+
+
+def test_a_compiled_generate_asks_for_its_prompt_in_one_chunk(monkeypatch):
+    import torch
+    from ggml_kernels_integration import compiled_decode, packaged_steps
+    from transformers import GenerationConfig
+
+    class Model:
+        generation_config = GenerationConfig(max_new_tokens=20)
+
+    ids = torch.zeros(1, 10, dtype=torch.long)
+    monkeypatch.setattr(packaged_steps, "prompts_enabled", lambda: True)
+    assert compiled_decode.prompt_in_one_chunk(Model(), (ids,), {}) == {"prefill_chunk_size": 10}
+    assert compiled_decode.prompt_in_one_chunk(Model(), (ids,), {"prefill_chunk_size": 4}) == {}  # the caller's
+    longer = torch.zeros(1, packaged_steps.MAX_PROMPT_TOKENS + 1, dtype=torch.long)
+    assert compiled_decode.prompt_in_one_chunk(Model(), (longer,), {}) == {}  # as fast eagerly
+    monkeypatch.setattr(packaged_steps, "prompts_enabled", lambda: False)
+    assert compiled_decode.prompt_in_one_chunk(Model(), (ids,), {}) == {}
