@@ -879,3 +879,32 @@ def test_a_compiled_generate_asks_for_its_prompt_in_one_chunk(monkeypatch):
     assert compiled_decode.prompt_in_one_chunk(Model(), (longer,), {}) == {}  # as fast eagerly
     monkeypatch.setattr(packaged_steps, "prompts_enabled", lambda: False)
     assert compiled_decode.prompt_in_one_chunk(Model(), (ids,), {}) == {}
+
+
+# a Qwen3.5 model's prompts (torch >= 2.15): the first prompt runs eagerly (transformers makes the
+# cache's linear-attention states on their first update); the next generate()'s new cache gets those
+# states before its prompt, whose forward is exported and runs as a package
+PROMPTS = LOAD + """
+first = gen()
+second = gen()
+rec = compiled_decode.record(model)
+prompts = {"exported": sorted(rec.packaged.prompt_exported), "loaded": sorted(rec.packaged.prompt_loaded)}
+gk.enable(compile_decode=False)
+static = gen(cache_implementation="static")
+print("RESULT" + json.dumps({
+    "prompts": prompts, "failure": rec.failure, "same_first": first[0] == static[0], "same_second": second[0] == static[0],
+    "rel_second": rel(second[1], static[1]), "describe": rec.describe(),
+}))
+"""
+
+
+@pytest.mark.skipif(not _packages_steps(), reason="prompts are packaged from torch 2.15 on")
+def test_a_qwen35_prompt_runs_its_package_from_the_second_generate_on(tmp_path_factory, tmp_path):
+    env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+    res = run(PROMPTS, "qwen35-tiny", tmp_path_factory, env=env)
+    assert res["failure"] is None and res["same_first"] and res["same_second"], res
+    assert max(res["rel_second"]) < 0.005, res
+    ((batch, positions, first, last),) = res["prompts"]["exported"]
+    assert (batch, positions) == (1, 256) and first <= 10 <= last, res
+    assert "prompt packages exported for" in res["describe"], res
