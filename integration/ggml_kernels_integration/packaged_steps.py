@@ -392,7 +392,8 @@ class PackagedSteps:
 
     def __call__(self, *args, **kwargs):
         split = None if args else _split(kwargs)
-        if split is not None and split[1]["input_ids"].shape[1] > 1 and prompts_enabled():
+        prompt = split is not None and split[1]["input_ids"].shape[1] > 1
+        if prompt and prompts_enabled():
             cache, batch = split[0], split[1]["input_ids"].shape[0]
             self.states.make(cache, batch)
             step = self._prompt_package_for(self.shape_of(kwargs), *split)
@@ -403,8 +404,7 @@ class PackagedSteps:
             out = _output(step, split)
             _after_prompt(cache)
             return out
-        step = None if split is None or split[1]["input_ids"].shape[1] > 1 else \
-            self._package_for(self.shape_of(kwargs), *split)
+        step = None if split is None or prompt else self._package_for(self.shape_of(kwargs), *split)
         if step is None:  # no package serves it: the fallback's compiled step, unless no compile is asked for
             return (self.fallback if self.may_export() else self.eager)(*args, **kwargs)
         return _output(step, split)
