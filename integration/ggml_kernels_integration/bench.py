@@ -42,7 +42,8 @@ What is measured, with the same token ids for every backend (`prompt_ids`):
     compile_s        kernels-compiled: seconds of each compile of the decode step, by "batch x cache
                      positions" (its first call: a stored step's load, where it was loaded)
     loaded           kernels-compiled: the "batch x cache positions" whose step was loaded from the
-                     stored steps (torch 2.15 on, `stored_steps`) instead of compiled
+                     stored steps (a package, `packaged_steps`, or a dynamo step,
+                     `stored_steps`) instead of compiled
 """
 
 from __future__ import annotations

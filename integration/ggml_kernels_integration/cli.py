@@ -10,7 +10,7 @@ which dequantizes every weight), streams the greedy continuation to stdout as it
 with one summary line on stderr (prompt tokens, prefill and decode tokens/s, load time, peak RSS).
 Progress messages go to stderr too, so stdout holds only the generated text. --compile-decode is
 `enable(compile_decode=...)`: "auto" (the default) decodes compiled where that costs nothing (a step
-stored by an earlier run, torch 2.15 on) or repays itself; "on" compiles (and stores) the step, so
+stored by an earlier run) or repays itself; "on" compiles (and stores) the step, so
 that later runs of the same model decode compiled under "auto"; "off" never.
 
 bench: measures one backend on one file in this process (see `ggml_kernels_integration.bench`);

@@ -14,7 +14,7 @@ caller chose no cache, cache implementation, compile config or assistant of thei
 The default, "auto", does so only where the compile pays for itself (`repays_a_compile`): a
 generate() asking for `AUTO_MIN_NEW_TOKENS` new tokens or more, and every generate() of a model that
 has compiled a step already; and where the step costs no compile (`stored_fit`): a generate() whose
-step is stored as a package (`packaged_steps`, torch 2.15 on), which then takes a stored package's
+step is stored as a package (`packaged_steps`), which then takes a stored package's
 cache length and compiles nothing.
 The graph is compiled once per model and shape (batch size, cache length), each model's graphs its
 own (`decode_step`: not shared through dynamo's per-function cache), and a full `enable()` after
@@ -28,7 +28,7 @@ per doubling. The seconds of each compile are kept per model, logged, and shown 
 compile that fails (dynamo or inductor raises before the graph runs, so nothing was written into the
 cache) falls back to the eager forward for that step and the model's later generations, with one
 warning; so does a model whose step needs a graph break (`fullgraph`).
-With prompts packaged too (`packaged_steps`, torch 2.15 on), such a generate() asks transformers
+With prompts packaged too (`packaged_steps`), such a generate() asks transformers
 for its prompt in one prefill chunk (`prompt_in_one_chunk`: `prefill_chunk_size`, whose chunks go
 through the compiled call), and the prompt's forward runs its package (stored, or exported where
 compiling is allowed) or eagerly.
@@ -55,11 +55,11 @@ paid in every new process), 17-18 s for a graph inductor has not seen (34-94 s o
 a compiled step saves 2.8-3.9 ms (SmolLM2, the 0.8B shape), so it repays itself after 1,800-6,500
 tokens, not in a chat turn's few hundred. Lighter backends gain nothing: `backend="eager"`
 (dynamo only) 1.05x, `"aot_eager"` 0.77x (its functional graph copies the static cache around each write).
-From torch 2.15 on, each step is exported and compiled by AOTInductor into a package and stored
+Each step is exported and compiled by AOTInductor into a package and stored
 (`packaged_steps`: 28-34 s once on SmolLM2 and the 0.8B shape): a later process loads it in ~10 ms
 and runs it without dynamo or guards (SmolLM2 generate() 1.36-1.41x eager), and "auto" decodes every
 generate() whose step is stored that way. Steps that cannot be exported are compiled ahead of time by
-dynamo and stored (`stored_steps`: loaded in ~1.3-1.4 s, which "auto" does not count on); the
+dynamo and stored (`stored_steps`, torch 2.15 on: loaded in ~1.3-1.4 s, which "auto" does not count on); the
 `torch.compile` above is the last resort.
 """
 

@@ -42,11 +42,13 @@ Packages live in the stored steps' folder (`stored_steps.folder()`), named by th
 (`fingerprint`: `stored_steps.key` of the model without inputs: config, parameter layout, modules'
 plain attributes, software, CPU, threads), the step's shape and the hash of its inputs' layout, so
 that a generate() can tell whether its step is stored before it starts (`stored_positions`, which
-compiled decode's "auto" reads). Off where torch is older than `MIN_TORCH` or
-GGML_KERNELS_PACKAGED_STEPS is 0: under torch 2.13 a package's steps wrote the static cache's filled
-length (`cumulative_length`, a 0-d buffer the step adds one to) on their first call only, so every
-later step wrote its keys to the same row and the tokens parted from the eager ones after a few
-steps (tiny llama, SmolLM2).
+compiled decode's "auto" reads). Off where GGML_KERNELS_PACKAGED_STEPS is 0.
+Two things make one program serve torch 2.13, 2.14 and 2.15 alike: the cache's filled lengths
+(`cumulative_length`, a 0-d tensor each step adds its tokens to) are inputs, not buffers
+(`_length_slots`: AOTInductor in 2.13 and 2.14 writes a mutated 0-d constant back on the first
+call only, so every later step wrote its keys to the same row), and the step takes its tensors as
+one dict argument holding tensors only (`_step_inputs`, `_flat`: 2.13's export cannot match
+dynamic shapes to keyword arguments, nor to inputs holding None).
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ compat.needs(
 LOGGER = logging.getLogger("ggml_kernels_integration")
 ENV = "GGML_KERNELS_PACKAGED_STEPS"
 PROMPTS_ENV = "GGML_KERNELS_PACKAGED_PROMPTS"
-MIN_TORCH = (2, 15)
-FORMAT = 1  # of what a package's name covers and what it holds: a change exports anew
+MIN_TORCH = (2, 13)
+FORMAT = 2  # of what a package's name covers and what it holds: a change exports anew
 SUFFIX = ".pt2"
 # The longest prompt a package serves; longer ones run the eager forward. A package saves a fixed
 # ~10-15 ms of Python and small torch ops, and its graph costs a little more per token than the eager
@@ -147,6 +149,26 @@ def _cache_tensors(cache) -> dict[str, torch.Tensor]:
     return {name: t for i, layer in enumerate(cache.layers) for name, t in _layer_tensors(i, layer).items()}
 
 
+def _length_slots(cache) -> list[tuple[object, str, str]]:
+    """(layer, attribute, input name) of the cache's filled lengths: its layers' 0-d tensor attributes
+    (a static layer's `cumulative_length`, which a step adds its tokens to). They are a step's inputs,
+    not buffers: AOTInductor in torch 2.13 and 2.14 writes a mutated 0-d constant back on its first
+    call only (later steps wrote their keys to the same row), a mutated input on every call."""
+    return [(layer, name, f"cache_{i}_{name}") for i, layer in enumerate(cache.layers)
+            for name, value in vars(layer).items() if isinstance(value, torch.Tensor) and value.dim() == 0]
+
+
+def _cache_buffers(cache) -> dict[str, torch.Tensor]:
+    """The cache's tensors a step takes as buffers: all but its filled lengths (`_length_slots`)."""
+    lengths = {name for _, _, name in _length_slots(cache)}
+    return {name: t for name, t in _cache_tensors(cache).items() if name not in lengths}
+
+
+def _cache_lengths(cache) -> dict[str, torch.Tensor]:
+    """The cache's filled lengths by input name (`_length_slots`)."""
+    return {name: getattr(layer, attribute) for layer, attribute, name in _length_slots(cache)}
+
+
 def _cache_marks(cache) -> tuple:
     """What tells another set of cache tensors cheaply: the ids of its first and last layers' tensors."""
     last = len(cache.layers) - 1
@@ -154,24 +176,64 @@ def _cache_marks(cache) -> tuple:
 
 
 class _Step(torch.nn.Module):
-    """A decode step as `torch.export` takes it: the model over `cache`, whose tensors are buffers,
-    with the step's plain arguments (`constants`) fixed; the tensor arguments are the inputs."""
+    """A decode step as `torch.export` takes it: the model over `cache`, whose tensors are buffers but
+    its filled lengths, with the step's plain arguments (`constants`) fixed; the tensor arguments and
+    the cache's lengths are the inputs (`_step_inputs`)."""
 
-    def __init__(self, model, cache, constants: dict):
+    def __init__(self, model, cache, tensors: dict, constants: dict):
         super().__init__()
         self.model, self.cache, self.constants = model, cache, constants
-        for name, value in _cache_tensors(cache).items():
+        self.lengths, self.template = _length_slots(cache), _template(tensors)
+        for name, value in _cache_buffers(cache).items():
             self.register_buffer(name, value, persistent=False)
 
-    def forward(self, **tensors: torch.Tensor) -> torch.Tensor:
-        return self.model(past_key_values=self.cache, **tensors, **self.constants).logits
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = dict(inputs)
+        for layer, attribute, name in self.lengths:  # the cache reads its lengths from the inputs
+            setattr(layer, attribute, inputs.pop(name))
+        return self.model(past_key_values=self.cache, **_nested(inputs, self.template), **self.constants).logits
+
+
+def _flat(tensors: dict) -> dict[str, torch.Tensor]:
+    """A forward's tensor arguments as a program's inputs, tensors only: a dict's items (the masks by
+    layer type) by "<name>__<key>", its None items left out (`_template` keeps them). torch 2.13's
+    export cannot match dynamic shapes to inputs holding None."""
+    flat = {}
+    for name, value in tensors.items():
+        if isinstance(value, dict):
+            flat.update((f"{name}__{key}", item) for key, item in value.items() if item is not None)
+        else:
+            flat[name] = value
+    return flat
+
+
+def _template(tensors: dict) -> dict:
+    """What `_nested` rebuilds the arguments by: True for a tensor, a dict's keys each with whether its
+    item is a tensor (False: None)."""
+    return {name: {key: item is not None for key, item in value.items()} if isinstance(value, dict) else True
+            for name, value in tensors.items()}
+
+
+def _nested(flat: dict, template: dict) -> dict:
+    """The forward's tensor arguments from a program's inputs (`_flat`) and their `_template`."""
+    return {name: {key: flat[f"{name}__{key}"] if present else None for key, present in shape.items()}
+            if isinstance(shape, dict) else flat[name] for name, shape in template.items()}
+
+
+def _step_inputs(cache, tensors: dict) -> dict[str, torch.Tensor]:
+    """What a step's program is called with, as its one argument (torch 2.13's export cannot match
+    dynamic shapes to keyword arguments): the forward's tensor arguments (`_flat`) and the cache's
+    lengths."""
+    return {**_flat(tensors), **_cache_lengths(cache)}
 
 
 def export_step(model, cache, tensors: dict, constants: dict, path: Path, inductor: dict | None) -> None:
     """Export the decode step of `model` over `cache` called with `tensors` and `constants` and compile
     it into the package `path` (written whole or not at all), without its weights, inductor's
     `inductor` options on top."""
-    package(torch.export.export(_Step(model, cache, constants), (), dict(tensors), strict=True), path, inductor)
+    step = _Step(model, cache, tensors, constants)
+    program = torch.export.export(step, (_step_inputs(cache, tensors),), strict=True)
+    package(program, path, inductor)
 
 
 def _is_token_dim(t: torch.Tensor, dim: int, tokens: int) -> bool:
@@ -179,13 +241,9 @@ def _is_token_dim(t: torch.Tensor, dim: int, tokens: int) -> bool:
     return t.shape[dim] == tokens and (dim > 0 or t.dim() == 1)
 
 
-def _token_dims(value, tokens: int):
+def _token_dims(value: torch.Tensor, tokens: int) -> dict | None:
     """`torch.export`'s dynamic_shapes for one input of a prompt's forward: Dim.AUTO on its length's
-    dims (a dict of masks by its items), None for the rest."""
-    if isinstance(value, dict):
-        return {name: _token_dims(item, tokens) for name, item in value.items()}
-    if not isinstance(value, torch.Tensor):
-        return None
+    dims, None for an input without one."""
     dims = {d: torch.export.Dim.AUTO for d in range(value.dim()) if _is_token_dim(value, d, tokens)}
     return dims or None
 
@@ -194,8 +252,9 @@ def export_prompt(model, cache, tensors: dict, constants: dict):
     """The forward of a prompt over `cache` (input_ids (batch, tokens) among `tensors`), exported with
     its length dynamic: the program serves the lengths `_token_range` reads from it."""
     tokens = tensors["input_ids"].shape[1]
-    dims = {name: _token_dims(value, tokens) for name, value in tensors.items()}
-    return torch.export.export(_Step(model, cache, constants), (), dict(tensors), dynamic_shapes=dims, strict=True)
+    inputs = _step_inputs(cache, tensors)
+    dims = ({name: _token_dims(value, tokens) for name, value in inputs.items()},)
+    return torch.export.export(_Step(model, cache, tensors, constants), (inputs,), dynamic_shapes=dims, strict=True)
 
 
 def _token_range(program, positions: int) -> tuple[int, int]:
@@ -224,22 +283,23 @@ def package(program, path: Path, inductor: dict | None) -> None:
 
 class _Loaded:
     """A loaded package and what it was last given: the model's weights once, a generation's cache
-    tensors whenever another cache comes."""
+    tensors whenever another cache comes (its lengths then kept for the calls)."""
 
-    __slots__ = ("runner", "cache", "marks")
+    __slots__ = ("runner", "wanted", "cache", "marks", "lengths")
 
     def __init__(self, runner, weights: dict[str, torch.Tensor]):
-        self.runner, self.cache, self.marks = runner, None, None
-        wanted = set(runner.get_constant_fqns())
-        runner.load_constants({k: v for k, v in weights.items() if k in wanted}, check_full_update=False,
+        self.runner, self.cache, self.marks, self.lengths = runner, None, None, {}
+        self.wanted = set(runner.get_constant_fqns())
+        runner.load_constants({k: v for k, v in weights.items() if k in self.wanted}, check_full_update=False,
                               user_managed=True)
 
     def run(self, cache, tensors: dict) -> torch.Tensor:
         marks = _cache_marks(cache)
         if cache is not self.cache or marks != self.marks:
-            self.runner.load_constants(_cache_tensors(cache), check_full_update=False, user_managed=True)
-            self.cache, self.marks = cache, marks
-        return self.runner(**tensors)
+            buffers = {k: v for k, v in _cache_buffers(cache).items() if k in self.wanted}
+            self.runner.load_constants(buffers, check_full_update=False, user_managed=True)
+            self.cache, self.marks, self.lengths = cache, marks, _cache_lengths(cache)
+        return self.runner({**_flat(tensors), **self.lengths})
 
 
 _PLAIN = (bool, int, float, str, type(None))

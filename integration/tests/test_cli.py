@@ -41,7 +41,7 @@ def test_generate(tiny, kernels):
 
 
 def test_generate_compiles_its_decode_step_for_later_runs(tiny, tmp_path):
-    """--compile-decode on compiles the decode step (stored from torch 2.15 on); a later run under the
+    """--compile-decode on compiles the decode step and stores it; a later run under the
     default "auto" then decodes on the stored step without compiling; every run streams the same text
     (compiled steps equal eager ones on the tiny model)."""
     from ggml_kernels_integration import packaged_steps, stored_steps
@@ -73,8 +73,8 @@ def test_bench_json(tiny):
 
 def test_bench_compiled_decode_reports_its_compile(tiny, tmp_path):
     """kernels-compiled: the runner's decode steps and generate() share one compile (both on a static
-    cache of compiled_decode.MIN_CACHE_POSITIONS), reported, not timed; where steps are stored (torch
-    2.15 on), the next process reports its step loaded."""
+    cache of compiled_decode.MIN_CACHE_POSITIONS), reported, not timed; where steps are stored (step
+    packages on), the next process reports its step loaded."""
     from ggml_kernels_integration import bench, stored_steps
 
     command = ("bench", "--gguf", tiny, "--backend", "kernels-compiled", "--prompt-tokens", "9", "--decode-tokens",

@@ -321,7 +321,7 @@ def test_compiled_once_per_shape_and_reported(compiled):
     assert res["cache_lengths"] == [256, 256] and res["longer_prefix_same"], res
     assert res["again_s"] < min(res["compile_s"]), res
     assert "compiled decode steps (batch 1 x " in res["summary"], res["summary"]
-    # from torch 2.15 the prompt's forward is packaged too: by the second generate() at the latest
+    # with packages on, the prompt's forward is packaged too: by the second generate() at the latest
     # (a Qwen3.5 cache's linear-attention states are made by the first prompt's eager forward)
     assert len(res["prompts"]) == (1 if res["prompts_packaged"] else 0), res
     assert all(first <= 10 <= last for _, _, first, last in res["prompts"]), res
@@ -583,7 +583,7 @@ def test_a_stored_step_is_loaded_by_the_next_process_and_a_damaged_one_compiled_
     assert runs[2]["files"][name] > 1000  # stored anew over the damaged file (~1.4 MB)
 
 
-# step packages on (torch >= 2.15), compile_decode MODE: True loads the step of this model and shape
+# step packages on, compile_decode MODE: True loads the step of this model and shape
 # from its package or exports and packages it; "auto" decodes a short generate() compiled only where
 # the package is stored; the same generate() eagerly on a static cache after
 PACKAGED = LOAD + """
@@ -623,7 +623,7 @@ def _packages_steps() -> bool:
     return packaged_steps.enabled()
 
 
-@pytest.mark.skipif(not _packages_steps(), reason="decode steps are packaged from torch 2.15 on")
+@pytest.mark.skipif(not _packages_steps(), reason="step packages are off (GGML_KERNELS_PACKAGED_STEPS=0)")
 def test_a_packaged_step_is_loaded_by_the_next_process_and_serves_auto(tmp_path_factory, tmp_path):
     """The first process exports the steps (one row; two, one of them left-padded) and the prompts'
     forwards into packages and stores them; the next loads them (no export, no dynamo step) and
@@ -721,6 +721,37 @@ def test_a_cache_layers_tensors_are_named_with_their_dict_and_list_items():
 
     names = packaged_steps._layer_tensors(4, Layer())
     assert list(names) == ["cache_4_keys", "cache_4_conv_states_0", "cache_4_recurrent_states_0"]
+
+
+def test_a_steps_inputs_hold_the_caches_lengths_and_only_tensors():
+    """A cache's filled lengths (0-d tensors) are a step's inputs, not buffers (torch 2.13/2.14's
+    AOTInductor writes a mutated 0-d constant back once); the masks by layer type go in flat, their
+    None items left out, and come back as they were."""
+    import torch
+    from ggml_kernels_integration import packaged_steps
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.cumulative_length, self.conv_states = torch.zeros(2, 3), torch.tensor(5), {0: torch.zeros(1)}
+
+    class Cache:
+        layers = [Layer(), Layer()]
+
+    cache = Cache()
+    assert list(packaged_steps._cache_buffers(cache)) == [
+        "cache_0_keys", "cache_0_conv_states_0", "cache_1_keys", "cache_1_conv_states_0"]
+    assert packaged_steps._cache_lengths(cache) == {"cache_0_cumulative_length": cache.layers[0].cumulative_length,
+                                                    "cache_1_cumulative_length": cache.layers[1].cumulative_length}
+    mask = torch.ones(1, 1, 1, 256, dtype=torch.bool)
+    tensors = {"input_ids": torch.zeros(1, 1, dtype=torch.long),
+               "attention_mask": {"full_attention": mask, "linear_attention": None}}
+    inputs = packaged_steps._step_inputs(cache, tensors)
+    assert sorted(inputs) == ["attention_mask__full_attention", "cache_0_cumulative_length",
+                              "cache_1_cumulative_length", "input_ids"]
+    flat = packaged_steps._flat(tensors)
+    again = packaged_steps._nested(flat, packaged_steps._template(tensors))
+    assert again["attention_mask"] == {"full_attention": mask, "linear_attention": None}
+    assert again["input_ids"] is tensors["input_ids"]
 
 
 @pytest.mark.parametrize(("needed", "choices", "length"), [(22, (), 256), (22, (512, 256), 256), (300, (256, 2048), 2048),
@@ -881,7 +912,7 @@ def test_a_compiled_generate_asks_for_its_prompt_in_one_chunk(monkeypatch):
     assert compiled_decode.prompt_in_one_chunk(Model(), (ids,), {}) == {}
 
 
-# a Qwen3.5 model's prompts (torch >= 2.15): the first prompt runs eagerly (transformers makes the
+# a Qwen3.5 model's prompts (packages on): the first prompt runs eagerly (transformers makes the
 # cache's linear-attention states on their first update); the next generate()'s new cache gets those
 # states before its prompt, whose forward is exported and runs as a package
 PROMPTS = LOAD + """
@@ -898,7 +929,7 @@ print("RESULT" + json.dumps({
 """
 
 
-@pytest.mark.skipif(not _packages_steps(), reason="prompts are packaged from torch 2.15 on")
+@pytest.mark.skipif(not _packages_steps(), reason="step packages are off (GGML_KERNELS_PACKAGED_STEPS=0)")
 def test_a_qwen35_prompt_runs_its_package_from_the_second_generate_on(tmp_path_factory, tmp_path):
     env = {"GGML_KERNELS_COMPILED_STEPS": str(tmp_path / "steps"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
