@@ -199,7 +199,8 @@ def _install_model_runs(session: nox.Session, *extra: str) -> None:
     ggml_kernels_integration. torch 2.13.0, the one torch on the index with a CPU-only wheel
     (2.13.0+cpu): 2.14.1 and 2.15.0 come as CUDA builds, whose import alone adds ~300 MiB of resident
     memory to every process (527 against 219 MiB after `import torch`), which the memory columns
-    would carry. Compiled decode steps are stored from torch 2.15 on only, so the demo compiles them."""
+    would carry. The compiled row exports and stores its step and prompt packages in the first demo
+    (not timed) and loads them in later ones."""
     _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}", *extra)
     _install_llama_cpp(session)
     _install_integration(session)

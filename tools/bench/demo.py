@@ -147,7 +147,7 @@ def bench_section(settings: dict, threads: int) -> tuple[list[str], str]:
                 lines.append(f"  ours against llama.cpp (speed, above 1: ours is faster): {_against(ours, llama)}")
             compiled = rows.get("kernels-compiled", {})
             if "error" not in compiled and "error" not in llama:
-                lines.append(f"  compiled decode (`enable(compile_decode=True)`; by default only for generate() calls of 4096+ new tokens) against llama.cpp: "
+                lines.append(f"  compiled decode (`enable(compile_decode=True)`; by default where its packages are stored, or for generate() calls of 4096+ new tokens) against llama.cpp: "
                              f"decode {compiled['decode_tok_s'] / llama['decode_tok_s']:.2f}x, {_against(compiled, llama)}; "
                              f"{describe_compiles(compiled)}")
             lines.append(f"  our kernels in a {ours['profiled']}: {_kernel_summary(ours['kernel_calls'])}")
