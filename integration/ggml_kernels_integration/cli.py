@@ -167,12 +167,26 @@ def generate(args) -> int:
     compiled = _compiled_decode(model) if kernels_on else ""
     if compiled:
         _stage(compiled)
+    elif kernels_on and args.compile_decode == "auto" and _stores_steps():
+        _stage(_how_to_store(path.name))
     prefill = f"{n_prompt / (times[0] - start):.1f} tok/s" if times else "-"
     decode = f"{(len(times) - 1) / (times[-1] - times[0]):.1f} tok/s" if len(times) > 1 else "-"
     print(f"prompt {n_prompt} tokens | prefill {prefill} | decode {decode} ({len(times)} tokens) | "
           f"load {load_s:.1f} s | peak RSS {bench.peak_rss_mib():.0f} MiB | kernels: {'on' if kernels_on else 'off'}",
           file=sys.stderr, flush=True)
     return 0
+
+
+def _stores_steps() -> bool:
+    from . import packaged_steps
+
+    return packaged_steps.enabled()
+
+
+def _how_to_store(name: str) -> str:
+    from . import compiled_decode
+
+    return compiled_decode.how_to_store(name, "--compile-decode on")
 
 
 def _compiled_decode(model) -> str:

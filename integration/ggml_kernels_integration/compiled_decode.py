@@ -69,6 +69,7 @@ import contextvars
 import logging
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -222,7 +223,30 @@ def plan(model, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         return None
     if _state["mode"] is True or repays_a_compile(rec, config, args, kwargs):
         return ()
-    return stored_fit(model, config, args, kwargs) or None
+    fit = stored_fit(model, config, args, kwargs)
+    if not fit:
+        say_how_to_store(model)
+    return fit or None
+
+
+_told = weakref.WeakSet()  # the models `say_how_to_store` has spoken of
+
+
+def how_to_store(name: str, how: str) -> str:
+    """What a model named `name` that decoded eagerly under "auto" for want of a stored step is told
+    (`how`: the switch that stores one)."""
+    return (f"{name} decoded eagerly, no compiled step of it is stored; run it once with {how} to export its "
+            "decode step and short prompts as packages (about 30-60 s each, once per model and shape), which "
+            'later processes load in milliseconds and compile_decode="auto" runs')
+
+
+def say_how_to_store(model) -> None:
+    """Once per model: under "auto", a generate() that runs eagerly for want of a stored step says
+    how to store one (packages on: `packaged_steps.enabled`)."""
+    if not packaged_steps.enabled() or model in _told:
+        return
+    _told.add(model)
+    LOGGER.info("ggml-kernels: %s", how_to_store(type(model).__name__, "enable(compile_decode=True)"))
 
 
 def _batch_and_new_tokens(config, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:

@@ -58,6 +58,11 @@ def test_generate_compiles_its_decode_step_for_later_runs(tiny, tmp_path):
     else:
         assert "compiled decode steps" not in auto.stderr, auto.stderr[-3000:]
     assert "compiled decode steps" not in off.stderr
+    # "auto" with nothing stored decodes eagerly and says how to store a step (where steps are packaged)
+    unstored = cli(*command, env={stored_steps.ENV: str(tmp_path / "empty")})
+    assert unstored.returncode == 0 and unstored.stdout == off.stdout, unstored.stderr[-3000:]
+    assert ("run it once with --compile-decode on" in unstored.stderr) == packaged_steps.enabled(), unstored.stderr
+    assert "--compile-decode on" not in auto.stderr + off.stderr
     refused = cli(*command, "--no-kernels", "--compile-decode", "on")
     assert refused.returncode == 2 and "drop --no-kernels" in refused.stderr, refused.stderr[-3000:]
 

@@ -723,6 +723,19 @@ def test_a_cache_layers_tensors_are_named_with_their_dict_and_list_items():
     assert list(names) == ["cache_4_keys", "cache_4_conv_states_0", "cache_4_recurrent_states_0"]
 
 
+def test_auto_without_a_stored_step_says_once_per_model_how_to_store_one(caplog):
+    import torch
+    from ggml_kernels_integration import compiled_decode, packaged_steps
+
+    models = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    with caplog.at_level("INFO", logger="ggml_kernels_integration"):
+        for model in (*models, models[0]):
+            compiled_decode.say_how_to_store(model)
+    told = [r.getMessage() for r in caplog.records if "compile_decode=True" in r.getMessage()]
+    assert len(told) == (2 if packaged_steps.enabled() else 0), told
+    assert all(message.startswith("ggml-kernels: Linear decoded eagerly") for message in told)
+
+
 def test_a_steps_inputs_hold_the_caches_lengths_and_only_tensors():
     """A cache's filled lengths (0-d tensors) are a step's inputs, not buffers (torch 2.13/2.14's
     AOTInductor writes a mutated 0-d constant back once); the masks by layer type go in flat, their
