@@ -20,8 +20,11 @@ came out 37-49 % off the eager ones; the other way round, the process died of he
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -97,12 +100,27 @@ class SiblingProducts(CustomGraphPass):
         return hashlib.sha256(source + f"{self.mul_mat_vec}|{self.mul_mat_group}|{vector_isa()}".encode()).hexdigest()
 
 
+@functools.cache
 def vector_isa() -> str:
     """The vector instructions inductor generates C++ for in this process: the CPU's best, or
-    ATEN_CPU_CAPABILITY's: "avx512 avx512_vnni" on the zen4 CPU, "avx2", "INVALID_VEC_ISA" for none."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    ATEN_CPU_CAPABILITY's: "avx512 avx512_vnni" on the zen4 CPU, "avx512 avx512_vnni amx_tile" on the
+    Intel Xeon, "avx2", "INVALID_VEC_ISA" for none. On x86 read as inductor's `pick_vec_isa` reads
+    them (the CPU's flags, then ATEN_CPU_CAPABILITY) without its check that the compiler builds and
+    loads each instruction set, a Python subprocess importing torch per set: 1.5 s on the first step
+    of every process (Intel Xeon). Elsewhere, or where inductor's helpers differ, `pick_vec_isa`."""
+    from torch._inductor import config, cpu_vec_isa
 
-    return str(pick_vec_isa())
+    try:
+        if config.cpp.simdlen is None and platform.machine() in ("x86_64", "AMD64"):
+            flags = cpu_vec_isa.x86_isa_checker()
+            able = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+            if not able:
+                return str(cpu_vec_isa.invalid_vec_isa)
+            capability = os.getenv("ATEN_CPU_CAPABILITY")
+            return str(cpu_vec_isa.get_isa_from_cpu_capability(capability, able, cpu_vec_isa.invalid_vec_isa))
+    except (AttributeError, TypeError):  # inductor's helpers moved or changed: its own pick
+        pass
+    return str(cpu_vec_isa.pick_vec_isa())
 
 
 def inductor_options(quant) -> dict:

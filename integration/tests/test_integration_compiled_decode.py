@@ -546,6 +546,15 @@ def test_a_shared_inductor_cache_serves_no_step_written_for_other_vector_instruc
             assert res["same_tokens_static"] and max(res["rel_static"]) < 0.005, (order, res)
 
 
+def test_the_vector_isa_is_read_as_inductor_picks_it():
+    """`vector_isa` reads the CPU's flags without inductor's compile check of each instruction set:
+    the same answer where the compiler builds them all (as here)."""
+    from ggml_kernels_integration import decode_graph
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    assert decode_graph.vector_isa() == str(pick_vec_isa())
+
+
 def _stores_steps() -> bool:
     from ggml_kernels_integration import stored_steps
 
