@@ -348,7 +348,7 @@ def decode_step(model):
     if rec.step is None or rec.installs != _state["installs"]:
         rec.compiles.clear()
         options = inductor_options()
-        compiled = compile_model(model, COMPILE_CONFIG, inductor=options)
+        compiled = _OnFirstCall(lambda: compile_model(model, COMPILE_CONFIG, inductor=options))
         rec.stored = rec.packaged = None
         if stored_steps.enabled() and COMPILE_CONFIG["backend"] == "inductor":  # the store's own compile
             compiled = rec.stored = stored_steps.StoredSteps(model, compiled, _shape, keep_guard, options)
@@ -357,6 +357,21 @@ def decode_step(model):
                                                                    _shape, options)
         rec.step, rec.installs = guarded(model, compiled, model.__call__), _state["installs"]
     return rec.step
+
+
+class _OnFirstCall:
+    """A callable made by `make()` on its first call: `torch.compile` takes ~0.3 s to set up (dynamo's
+    imports), which a generate() whose steps all run stored packages never needs."""
+
+    __slots__ = ("make", "made")
+
+    def __init__(self, make):
+        self.make, self.made = make, None
+
+    def __call__(self, *args, **kwargs):
+        if self.made is None:
+            self.made = self.make()
+        return self.made(*args, **kwargs)
 
 
 def inductor_options() -> dict | None:

@@ -418,6 +418,23 @@ def _output(step: _Loaded, split: tuple):
     return CausalLMOutputWithPast(logits=step.run(cache, tensors), past_key_values=cache)
 
 
+def _load_package(path: Path):
+    """`aoti_load_package` without its check of the CPU's vector instructions against the package's (a
+    warning at most; a package's name holds them: `decode_graph.vector_isa`), for which inductor
+    builds and loads a probe per instruction set in a Python subprocess each: 1.2-1.3 s of a process's
+    first generate() (Intel Xeon, torch 2.13). The instruction sets the CPU has are taken as built,
+    and what inductor keeps of that is dropped after (a compile probes them anew)."""
+    from torch._inductor import config, cpu_vec_isa
+
+    probed = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+    try:
+        with stored_steps.inductor_files(), config.patch({"cpp.vec_isa_ok": True}):
+            return torch._inductor.aoti_load_package(str(path))
+    finally:
+        if not probed:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
 class PackagedSteps:
     """Stands in for `fallback` (the stored dynamo step or `torch.compile` of the model's forward):
     each step's package, by shape and arguments' layout, loaded or exported and stored; `fallback` for
@@ -572,8 +589,7 @@ class PackagedSteps:
         None (and a warning) where it does not load."""
         start = time.perf_counter()
         try:
-            with stored_steps.inductor_files():
-                runner = torch._inductor.aoti_load_package(str(path))
+            runner = _load_package(path)
             missing = set(runner.get_constant_fqns()) - self._model_constants().keys() - _cache_tensors(cache).keys()
             if missing:
                 raise ValueError(f"the package wants tensors the model and its cache lack: {sorted(missing)[:5]}")
