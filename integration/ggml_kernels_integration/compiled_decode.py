@@ -155,6 +155,14 @@ class Record:
         return any(packaged is None or shape in packaged.exported
                    or (shape not in packaged.loaded and shape not in absent) for shape in self.compiles)
 
+    def compiling_seconds(self) -> tuple[float, float]:
+        """(prompts, decode steps): the seconds this process spent compiling or exporting them, which a
+        rate should leave out (a step loaded from the store counts nothing)."""
+        loaded = self.loaded_shapes()
+        steps = sum(s for shape, s in self.compiles.items() if shape not in loaded)
+        prompts = sum(self.packaged.prompt_exported.values()) if self.packaged is not None else 0.0
+        return prompts, steps
+
     def describe(self) -> str:
         if self.failure:
             return f"compiled decode failed, eager instead ({self.failure})"

@@ -53,12 +53,14 @@ dynamic shapes to keyword arguments, nor to inputs holding None).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -232,8 +234,25 @@ def export_step(model, cache, tensors: dict, constants: dict, path: Path, induct
     it into the package `path` (written whole or not at all), without its weights, inductor's
     `inductor` options on top."""
     step = _Step(model, cache, tensors, constants)
-    program = torch.export.export(step, (_step_inputs(cache, tensors),), strict=True)
+    with _without_torchs_notes():
+        program = torch.export.export(step, (_step_inputs(cache, tensors),), strict=True)
     package(program, path, inductor)
+
+
+# what torch says while exporting and packaging a step that its user can do nothing about: dynamo's
+# list of the forward's side effects (ours: the cache's lengths set from the inputs, `_Step.forward`;
+# transformers' output collector) and a deprecation inside torch's own pytree copies (2.13)
+_TORCHS_NOTES = ((UserWarning, "While compiling, we found certain side effects"),
+                 (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"))
+
+
+@contextlib.contextmanager
+def _without_torchs_notes():
+    """`_TORCHS_NOTES` held back; every other warning shown."""
+    with warnings.catch_warnings():
+        for category, message in _TORCHS_NOTES:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 
 def _is_token_dim(t: torch.Tensor, dim: int, tokens: int) -> bool:
@@ -254,7 +273,9 @@ def export_prompt(model, cache, tensors: dict, constants: dict):
     tokens = tensors["input_ids"].shape[1]
     inputs = _step_inputs(cache, tensors)
     dims = ({name: _token_dims(value, tokens) for name, value in inputs.items()},)
-    return torch.export.export(_Step(model, cache, tensors, constants), (inputs,), dynamic_shapes=dims, strict=True)
+    with _without_torchs_notes():
+        return torch.export.export(_Step(model, cache, tensors, constants), (inputs,), dynamic_shapes=dims,
+                                   strict=True)
 
 
 def _token_range(program, positions: int) -> tuple[int, int]:
@@ -276,7 +297,7 @@ def package(program, path: Path, inductor: dict | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         written = Path(scratch) / path.name
-        with stored_steps.inductor_files():
+        with stored_steps.inductor_files(), _without_torchs_notes():
             torch._inductor.aoti_compile_and_package(program, package_path=str(written), inductor_configs=configs)
         os.replace(written, path)
 

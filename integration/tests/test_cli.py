@@ -11,6 +11,7 @@ import sys
 
 import ggml_kernels_integration  # noqa: F401, E402  (installed by nox: missing, these tests fail, not skip)
 import pytest
+from ggml_kernels_integration import packaged_steps
 
 from tools.models import make_gguf
 
@@ -21,6 +22,11 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "ggml_kernels_integration", *args], capture_output=True, text=True,
                           env=env, timeout=600)
+
+
+# the decode step's package alone: the prompts' packages (test_integration_compiled_decode.py) would
+# double each compiling run's time
+DECODE_STEPS_ONLY = {packaged_steps.PROMPTS_ENV: "0"}
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +50,25 @@ def test_generate_compiles_its_decode_step_for_later_runs(tiny, tmp_path):
     """--compile-decode on compiles the decode step and stores it; a later run under the
     default "auto" then decodes on the stored step without compiling; every run streams the same text
     (compiled steps equal eager ones on the tiny model)."""
-    from ggml_kernels_integration import packaged_steps, stored_steps
+    from ggml_kernels_integration import stored_steps
 
-    env = {stored_steps.ENV: str(tmp_path / "steps")}
+    env = {stored_steps.ENV: str(tmp_path / "steps"), **DECODE_STEPS_ONLY}
     command = ("generate", "--gguf", tiny, "--prompt", "Once upon a time", "--max-new-tokens", "6")
     on, auto, off = (cli(*command, "--compile-decode", mode, env=env) for mode in ("on", "auto", "off"))
     for proc in (on, auto, off):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert on.stdout == auto.stdout == off.stdout and on.stdout.strip()
     assert "compiled decode steps (batch 1 x 256 positions" in on.stderr, on.stderr[-3000:]
+    # the compile is not a slow decode: the summary's rates leave it out, and say so
+    assert "the compile is left out of the rates below" in on.stderr, on.stderr[-3000:]
+    assert "left out of the rates" not in auto.stderr + off.stderr
     if packaged_steps.enabled():
         assert "1 loaded from" in auto.stderr and "compiled" in auto.stderr, auto.stderr[-3000:]
     else:
         assert "compiled decode steps" not in auto.stderr, auto.stderr[-3000:]
     assert "compiled decode steps" not in off.stderr
     # "auto" with nothing stored decodes eagerly and says how to store a step (where steps are packaged)
-    unstored = cli(*command, env={stored_steps.ENV: str(tmp_path / "empty")})
+    unstored = cli(*command, env={stored_steps.ENV: str(tmp_path / "empty"), **DECODE_STEPS_ONLY})
     assert unstored.returncode == 0 and unstored.stdout == off.stdout, unstored.stderr[-3000:]
     assert ("run it once with --compile-decode on" in unstored.stderr) == packaged_steps.enabled(), unstored.stderr
     assert "--compile-decode on" not in auto.stderr + off.stderr
@@ -84,7 +93,7 @@ def test_bench_compiled_decode_reports_its_compile(tiny, tmp_path):
 
     command = ("bench", "--gguf", tiny, "--backend", "kernels-compiled", "--prompt-tokens", "9", "--decode-tokens",
                "3", "--repeats", "1", "--json")
-    env = {stored_steps.ENV: str(tmp_path / "steps")}
+    env = {stored_steps.ENV: str(tmp_path / "steps"), **DECODE_STEPS_ONLY}
     runs = [cli(*command, env=env)] + ([cli(*command, env=env)] if stored_steps.enabled() else [])
     for i, proc in enumerate(runs):
         assert proc.returncode == 0, proc.stderr[-3000:]

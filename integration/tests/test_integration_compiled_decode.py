@@ -745,6 +745,21 @@ def test_auto_without_a_stored_step_says_once_per_model_how_to_store_one(caplog)
     assert all(message.startswith("ggml-kernels: Linear decoded eagerly") for message in told)
 
 
+def test_a_records_compiling_seconds_leave_out_what_was_loaded():
+    """What a rate leaves out (`Record.compiling_seconds`): prompts exported and decode steps compiled
+    or exported here, not a step loaded from the store."""
+    from types import SimpleNamespace
+
+    from ggml_kernels_integration import compiled_decode
+
+    rec = compiled_decode.Record()
+    assert rec.compiling_seconds() == (0.0, 0)
+    rec.compiles = {(1, 256): 30.0, (1, 512): 0.4, (2, 256): 12.0}
+    rec.packaged = SimpleNamespace(loaded={(1, 512): None, (1, 256): None}, exported={(1, 256): 29.0},
+                                   prompt_exported={(1, 256, 2, 8): 40.0, (1, 256, 9, 31): 45.0})
+    assert rec.compiling_seconds() == (85.0, 42.0)  # (1, 512) was loaded; (2, 256) compiled by dynamo here
+
+
 def test_a_steps_inputs_hold_the_caches_lengths_and_only_tensors():
     """A cache's filled lengths (0-d tensors) are a step's inputs, not buffers (torch 2.13/2.14's
     AOTInductor writes a mutated 0-d constant back once); the masks by layer type go in flat, their
