@@ -32,7 +32,8 @@ IMPLEMENTATIONS = {
     "ggml-norm": {"RMSNormZeroCentered": {"ours", "ggml", "layer", "transformers", "reference"},
                   "RMSNormGated": {"ours", "ggml"}, "L2Norm": {"ours", "ggml"}},
     "ggml-quantization": {"MulMatVec": {"ours", "ggml", "huge_pages", "tf_f32", "tf_bf16"},
-                          "MulMat": {"ours", "exact", "ggml", "tf_f32", "tf_bf16", "tf_unpack"}, "MulMatGroup": {"ours"}},
+                          "MulMat": {"ours", "exact", "ggml", "tf_f32", "tf_bf16", "tf_unpack"}, "MulMatGroup": {"ours"},
+                          "MulMatId": {"ours", "ggml"}},
     "topk": {"SoftmaxTopK": {"ours", "ggml", "eager", "reference"}, "Router": {"ours", "transformers"}},
 }
 

@@ -116,6 +116,21 @@ def test_mul_mat_on_a_borrowed_weight_reads_it_in_place():
                            cols=256, m=2, borrow=True)
 
 
+def test_mul_mat_id_on_borrowed_experts_reads_them_in_place():
+    rng = np.random.default_rng(2)
+    experts = ggml_ctypes.quantize(rng.standard_normal((4 * 32, 256)).astype(np.float32), 8).reshape(4, 32, -1)
+    experts = torch.from_numpy(experts).clone().numpy()  # torch's memory: 64-byte aligned
+    x, ids = rng.standard_normal((3, 256)).astype(np.float32), np.array([[0, 3], [2, 1], [3, 3]], np.int32)
+    copied = ggml_ctypes.MulMatId(experts, 8, cols=256, tokens=3, n_ids=2)
+    borrowed = ggml_ctypes.MulMatId(experts, 8, cols=256, tokens=3, n_ids=2, borrow=True)
+    assert borrowed._data(borrowed.w) == experts.ctypes.data
+    np.testing.assert_array_equal(borrowed(x, ids), copied(x, ids))
+    experts[:] = ggml_ctypes.quantize(rng.standard_normal((4 * 32, 256)).astype(np.float32), 8).reshape(4, 32, -1)
+    np.testing.assert_array_equal(borrowed(x, ids), ggml_ctypes.MulMatId(experts, 8, 256, 3, 2)(x, ids))
+    borrowed.close()
+    copied.close()
+
+
 @pytest.mark.skipif(not ggml_ctypes.available(), reason="llama-cpp-python's ggml is not installed")
 def test_benchmark_products_read_the_same_weight_copies_as_ggml():
     """ours and ggml's graph of one workload read the very same pages of its weight copies (where
@@ -133,6 +148,15 @@ def test_benchmark_products_read_the_same_weight_copies_as_ggml():
     ours, ggml, dense = made["MulMatVec"].weights, made["MulMatVec_ggml"].weights, made["MulMatVec_tf_f32"].weights
     assert len(ours) > 1 and [w.data_ptr() for w in ours] == [g._data(g.w) for g in ggml]
     assert dense[0].dtype == torch.float32
+    # the experts of mul_mat_id's workloads too, and both sides give the reference's products
+    for name in ("MulMatId", "MulMatId_ggml"):
+        made[name] = classes[name]()
+        made[name].kernel = kernel
+        made[name]._setup("down", 1)
+        made[name]._run()
+        torch.testing.assert_close(made[name].out, made[name]._verify(), atol=1e-2, rtol=0)
+    ours, ggml = made["MulMatId"].weights, made["MulMatId_ggml"].weights
+    assert len(ours) > 1 and [w.data_ptr() for w in ours] == [g._data(g.w) for g in ggml]
 
 
 def test_ratio_is_the_median_of_per_round_ratios():

@@ -450,10 +450,12 @@ class MulMatId(_OneOpGraph):
     -> `(T, n_ids, N)` float32 with `out[t, j] = W[ids[t, j]] @ x[t]`.
 
     Each token's one activation row is shared by all the experts it picked (b is `{cols, 1, T}`),
-    the layout a MoE layer's gate/up projection uses.
+    the layout a MoE layer's gate/up projection uses. `borrow=True` reads the experts where `blocks`
+    lies, as `MulMat` does.
     """
 
-    def __init__(self, blocks, type_id: int, cols: int, tokens: int, n_ids: int, n_threads: int = 1):
+    def __init__(self, blocks, type_id: int, cols: int, tokens: int, n_ids: int, n_threads: int = 1, *,
+                 borrow: bool = False):
         t = _check_type(type_id)
         b = _as_u8(blocks, "blocks")
         rb = row_size(t, int(cols))
@@ -464,14 +466,20 @@ class MulMatId(_OneOpGraph):
         self.tokens, self.n_ids = int(tokens), int(n_ids)
         if min(self.tokens, self.n_ids, self.n, self.experts) < 1:
             raise ValueError("ggml_ctypes: every dimension must be >= 1")
-        data = b.nbytes + 4 * self.cols * self.tokens + 4 * self.n_ids * self.tokens + 4 * self.n * self.n_ids * self.tokens
+        data = ((0 if borrow else b.nbytes) + 4 * self.cols * self.tokens + 4 * self.n_ids * self.tokens
+                + 4 * self.n * self.n_ids * self.tokens)
         super().__init__(data, 4, n_threads)
         g = self._g
+        g.ggml_set_no_alloc(self.ctx, borrow)
         self.w = g.ggml_new_tensor_3d(self.ctx, t, self.cols, self.n, self.experts)
+        g.ggml_set_no_alloc(self.ctx, False)
         self.x = g.ggml_new_tensor_3d(self.ctx, GGML_TYPE_F32, self.cols, 1, self.tokens)
         self.ids = g.ggml_new_tensor_2d(self.ctx, GGML_TYPE_I32, self.n_ids, self.tokens)
         assert g.ggml_nbytes(self.w) == b.nbytes
-        self._copy_in(self._data(self.w), b)
+        if borrow:
+            self._place(self.w, b)
+        else:
+            self._copy_in(self._data(self.w), b)
         ctypes.memset(self._data(self.x), 0, 4 * self.cols * self.tokens)
         ctypes.memset(self._data(self.ids), 0, 4 * self.n_ids * self.tokens)
         self._finish(g.ggml_mul_mat_id(self.ctx, self.w, self.x, self.ids))  # {N, n_ids, T}

@@ -27,6 +27,9 @@ class times one implementation of the same workloads:
                    MulMatVec on the weight copied to transparent huge pages (`huge_pages.place`, as
                    the integration loads GGUF weights); MulMatVec reads torch's 4 KiB pages
   MulMatGroup      a layer's sibling projections in one mul_mat_group call
+  MulMatId, MulMatId_ggml
+                   mixture of experts: mul_mat_id on a Qwen3.5-MoE-shaped layer's experts (gate/up
+                   and down, 1-64 tokens), and ggml's own GGML_OP_MUL_MAT_ID on the same copies
   MulMatRepacked   mul_mat on the weight in ggml-cpu's repacked layout (`repack`) at 1-64 rows, the
                    types this CPU repacks (Q4_0, Q4_K here); compare with MulMatVec / MulMat
 Weights are streamed from memory as in a real decode: each workload cycles through copies of its
@@ -139,7 +142,20 @@ def _round_like_ggml(x: torch.Tensor, vec_dot_type: str) -> torch.Tensor:
     raise ValueError(f"no reference rounding for activations of type {vec_dot_type}")
 
 
-class _PackedProduct:
+class _WeightCopies:
+    """A workload's weight copies, `weights` (made by `_operand` from each copy), taken in turn."""
+
+    def _operand(self, weight: torch.Tensor):
+        """What _run calls with one copy of the weight (a module or a graph for some implementations)."""
+        return weight
+
+    def _next(self):
+        w = self.weights[self.calls % len(self.weights)]
+        self.calls += 1
+        return w
+
+
+class _PackedProduct(_WeightCopies):
     """Shared setup, rotation and reference (not a Benchmark itself: the runner would time it).
     `run` calls the implementation on the next copy of the weight; the first call uses the original,
     which is the one the runner checks."""
@@ -166,15 +182,6 @@ class _PackedProduct:
     def _weight(self) -> torch.Tensor:
         """The weight this implementation reads: the packed blocks (dense implementations override it)."""
         return self.blocks
-
-    def _operand(self, weight: torch.Tensor):
-        """What _run calls with one copy of the weight (a module or a graph for some implementations)."""
-        return weight
-
-    def _next(self):
-        w = self.weights[self.calls % len(self.weights)]
-        self.calls += 1
-        return w
 
     def _verify(self) -> torch.Tensor:
         return F.linear(self.x_rounded, self.w_dense)
@@ -299,14 +306,9 @@ class MulMat_tf_unpack(_PackedProduct, Benchmark):
         return F.linear(self.x, self.w_dense)
 
 
-class _Ggml(_PackedProduct):
-    """ggml's own GGML_OP_MUL_MAT, one graph per weight copy; `out` is read from the graph last run."""
-
-    def _operand(self, weight: torch.Tensor):
-        t = int(self.kernel.GGMLType[self.type])
-        graph = ggml_ctypes.MulMat(weight.numpy(), t, self.k, self.m, torch.get_num_threads(), borrow=True)
-        graph.set_input(self.x.numpy())
-        return graph
+class _GgmlGraphs:
+    """ggml's own op: `_operand` makes one graph per weight copy, `_run` computes the next one, and
+    `out` is read from the graph last run."""
 
     def _run(self) -> None:
         self.graph = self._next()
@@ -320,6 +322,16 @@ class _Ggml(_PackedProduct):
     @out.setter
     def out(self, value):
         pass
+
+
+class _Ggml(_GgmlGraphs, _PackedProduct):
+    """GGML_OP_MUL_MAT, reading the weight copies in place."""
+
+    def _operand(self, weight: torch.Tensor):
+        t = int(self.kernel.GGMLType[self.type])
+        graph = ggml_ctypes.MulMat(weight.numpy(), t, self.k, self.m, torch.get_num_threads(), borrow=True)
+        graph.set_input(self.x.numpy())
+        return graph
 
 
 MATVEC_CLASSES = [MulMatVec, MulMatVec_huge_pages, MulMatVec_tf_f32, MulMatVec_tf_bf16]
@@ -423,3 +435,77 @@ for _t in REPACKED_TYPES:
             _add(MulMatRepacked, _t, _n, _k, _m)
             if _m in (4, 16):  # the plain layout at the same rows (1, 8 and 64 are in MATVEC / MATMAT)
                 _add(MulMatVec, _t, _n, _k, _m)
+
+
+# Mixture of experts: mul_mat_id on one Qwen3.5-MoE-shaped layer's experts (64 experts of 256 rows
+# over a hidden size of 1024, top 8: the held-out MoE file's shapes) as transformers' GGUF MoE layer
+# calls it: gate and up in one weight of 512 rows per expert, each token's activation row shared by
+# its 8 experts; down with one row per (token, expert) pair. Tokens: a decode step, short prompts and
+# a prefill. Workloads are named <projection>_<type>_<E>x<N>x<K>_t<tokens>.
+MOE_EXPERTS, MOE_TOP_K = (8, 2) if QUICK else (64, 8)
+MOE_PROJECTIONS = {"gate_up": ("Q4_K", 512, 1024, MOE_TOP_K), "down": ("Q6_K", 1024, 256, 1)}  # type, N, K, ids a row
+MOE_TOKENS = [1, 4] if QUICK else [1, 4, 16, 64]
+
+
+class _ExpertProduct(_WeightCopies):
+    """Shared setup, rotation and reference of the expert products (the runner times subclasses)."""
+
+    seed = 0
+
+    def _setup(self, projection: str, tokens: int) -> None:
+        type_name, n, k, per_row = MOE_PROJECTIONS[projection]
+        gen = torch.Generator().manual_seed(n * 7919 + k * 31 + tokens)
+        experts = self.kernel.quantize(torch.randn(MOE_EXPERTS * n, k, generator=gen) / k**0.5, type_name)
+        picks = torch.stack([torch.randperm(MOE_EXPERTS, generator=gen)[:MOE_TOP_K] for _ in range(tokens)])
+        self.ids = (picks if per_row > 1 else picks.reshape(-1, 1)).to(torch.int32)
+        self.type, self.n, self.k, self.calls = type_name, n, k, 0
+        self.x = torch.randn(self.ids.shape[0], k, generator=gen)
+        blocks = experts.view(MOE_EXPERTS, n, -1)
+        dense = self.kernel.dequantize(experts, type_name, MOE_EXPERTS * n, k, torch.float32).view(MOE_EXPERTS, n, k)
+        rounded = _round_like_ggml(self.x, self.kernel.type_info(type_name).vec_dot_type.name)
+        self.expected = torch.stack([torch.einsum("tk,tnk->tn", rounded, dense[self.ids[:, j]])
+                                     for j in range(self.ids.shape[1])], dim=1)  # (rows, ids a row, N)
+        self.out = torch.empty_like(self.expected)
+        copies = _packed_copies(("experts", projection, tokens), blocks, gen)
+        self.weights = [self._operand(w) for w in copies]
+
+    def _verify(self) -> torch.Tensor:
+        return self.expected
+
+
+class MulMatId(_ExpertProduct, Benchmark):
+    """This package's mul_mat_id on the packed experts."""
+
+    def _run(self) -> None:
+        self.out = self.kernel.mul_mat_id(self._next(), self.x, self.ids, self.type, self.n)
+
+
+MOE_CLASSES = [MulMatId]
+if ggml_ctypes is not None and ggml_ctypes.available():
+
+    class MulMatId_ggml(_GgmlGraphs, _ExpertProduct, Benchmark):
+        """GGML_OP_MUL_MAT_ID, reading the copies of the experts in place."""
+
+        def _operand(self, experts: torch.Tensor):
+            t = int(self.kernel.GGMLType[self.type])
+            rows, per_row = self.ids.shape
+            graph = ggml_ctypes.MulMatId(experts.numpy(), t, self.k, rows, per_row, torch.get_num_threads(),
+                                         borrow=True)
+            graph.set_input(self.x.numpy(), self.ids)
+            return graph
+
+    MOE_CLASSES.append(MulMatId_ggml)
+
+
+def _add_experts(cls, projection: str, tokens: int) -> None:
+    type_name, n, k, _ = MOE_PROJECTIONS[projection]
+    name = f"{projection}_{type_name.lower()}_{MOE_EXPERTS}x{n}x{k}_t{tokens}"
+    setattr(cls, f"setup_{name}", lambda self: self._setup(projection, tokens))
+    setattr(cls, f"benchmark_{name}", lambda self: self._run())
+    setattr(cls, f"verify_{name}", lambda self: self._verify())
+
+
+for _projection in MOE_PROJECTIONS:
+    for _tokens in MOE_TOKENS:
+        for _cls in MOE_CLASSES:
+            _add_experts(_cls, _projection, _tokens)
