@@ -27,7 +27,9 @@
   repacked kernels in decode steps and short prompts; `enable(repack_weights=True)` repacks every type it can (Q4_0 / Q4_K /
   IQ4_NL / MXFP4) on any CPU, `False` none (see `repacking`);
 - runs `generate()`'s decode steps on the CPU as one compiled graph over a static cache
-  (`compiled_decode`) where the compile repays itself (long generations; `compile_decode=True`: always);
+  (`compiled_decode`) where the compile repays itself (long generations; `compile_decode=True`: always)
+  or costs nothing: steps stored as packages by an earlier process, which `store_steps(model)` stores
+  up front for every prompt up to 128 tokens (`store`);
 - after each packed load, says once what runs on our kernels and what does not, and why (`report`),
   instead of kernels' warning per layer.
 
@@ -75,6 +77,7 @@ from . import (
 from .compat import InternalsChangedError, UnsupportedVersionError
 from .locate import builds
 from .patching import PatchSet
+from .store import store_steps
 from .validate import GgufFileError, GgufSummary, check_gguf
 
 __all__ = [
@@ -91,6 +94,7 @@ __all__ = [
     "metal_dispatches",
     "original",
     "reset_metal_dispatches",
+    "store_steps",
     "summary",
 ]
 

@@ -4,6 +4,7 @@
         [--chat] [--no-kernels] [--dtype float32|bfloat16] [--threads N] [--compile-decode auto|on|off]
     python -m ggml_kernels_integration bench --gguf FILE --backend kernels|transformers-f32|transformers-bf16|llama.cpp
         [--prompt-tokens 64 512] [--decode-tokens 128] [--repeats N] [--threads N] [--json]
+    python -m ggml_kernels_integration store --gguf FILE [--positions 256 512] [--threads N]
 
 generate: loads the file with transformers on our kernels (or, with --no-kernels, transformers alone,
 which dequantizes every weight), streams the greedy continuation to stdout as it comes and ends
@@ -15,6 +16,10 @@ that later runs of the same model decode compiled under "auto"; "off" never.
 
 bench: measures one backend on one file in this process (see `ggml_kernels_integration.bench`);
 --json prints the result as one JSON object on stdout.
+
+store: exports and stores the file's decode step for each static cache length of --positions and
+the prompt packages for every prompt up to 128 tokens (`store_steps`), which later runs under
+"auto" load instead of decoding eagerly: once per model, threads and software, 25-70 s a package.
 
 Arguments out of bounds are usage errors (exit status 2) before anything is loaded: a thread count
 of 1 to 512 (ggml's most), an empty prompt, token counts below 1 or beyond the file's context length
@@ -95,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"timed runs per measurement (median), 1 to {bench.MAX_REPEATS}")
     ben.add_argument("--threads", type=THREADS, default=None, help="CPU threads, 1 to 512 (default: torch's)")
     ben.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+    sto = commands.add_parser("store", help="export and store the decode steps and prompt packages \"auto\" runs")
+    sto.add_argument("--gguf", type=Path, required=True, help="the GGUF model file")
+    sto.add_argument("--positions", type=TOKENS, nargs="+", default=[256],
+                     help="static cache lengths (powers of two from 256) to store a decode step for (default: 256)")
+    sto.add_argument("--threads", type=THREADS, default=None,
+                     help="CPU threads, 1 to 512 (default: torch's); packages serve this count only")
     return parser
 
 
@@ -169,12 +181,35 @@ def generate(args) -> int:
     if rec is not None and rec.describe():
         _stage(rec.describe() + ("; the compile is left out of the rates below" if prompt_s + steps_s else ""))
     elif kernels_on and args.compile_decode == "auto" and _stores_steps():
-        _stage(_how_to_store(path.name))
+        _stage(_how_to_store(path))
     prefill = f"{n_prompt / (times[0] - start - prompt_s):.1f} tok/s" if times else "-"
     decode = f"{(len(times) - 1) / (times[-1] - times[0] - steps_s):.1f} tok/s" if len(times) > 1 else "-"
     print(f"prompt {n_prompt} tokens | prefill {prefill} | decode {decode} ({len(times)} tokens) | "
           f"load {load_s:.1f} s | peak RSS {bench.peak_rss_mib():.0f} MiB | kernels: {'on' if kernels_on else 'off'}",
           file=sys.stderr, flush=True)
+    return 0
+
+
+def store_steps(args) -> int:
+    """Load the file on our kernels and store its steps (`store.store_steps`), one line per cache length."""
+    import torch
+
+    from . import store, stored_steps
+
+    if store.why_not():
+        raise ValueError(store.why_not())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _stage(f"{args.gguf.name}: storing decode steps and prompt packages for {torch.get_num_threads()} threads")
+    bench.setup_transformers(True, compile_decode="auto")
+    model, _ = bench.load_transformers_model(args.gguf, "float32")
+    for positions in store.check_positions(args.positions):
+        _stage(f"batch 1 x {positions} positions: exporting what is not stored yet (25-70 s a package)")
+        done = store.store_steps(model, (positions,))[positions]
+        spans = ", ".join(f"{a}-{b}" for a, b in done["prompts"]) or "none"
+        print(f"batch 1 x {positions} positions: decode step {done['decode']}; prompt packages for {spans} tokens "
+              f"({done['seconds']:.1f} s)", flush=True)
+    _stage(f"stored in {stored_steps.folder()}; later runs load them under --compile-decode auto")
     return 0
 
 
@@ -184,10 +219,10 @@ def _stores_steps() -> bool:
     return packaged_steps.enabled()
 
 
-def _how_to_store(name: str) -> str:
+def _how_to_store(path: Path) -> str:
     from . import compiled_decode
 
-    return compiled_decode.how_to_store(name, "--compile-decode on")
+    return compiled_decode.how_to_store(path.name, f"`python -m ggml_kernels_integration store --gguf {path}`")
 
 
 def _compiled_decode(model):
@@ -217,7 +252,15 @@ def _check_against_file(parser: argparse.ArgumentParser, args) -> None:
     key = f"{summary.architecture}.context_length"
     args.context = summary.metadata.get(key, validate.MAX_CONTEXT_LENGTH)
     source = key if key in summary.metadata else "no context length in the file: the most this tool takes"
-    if args.command == "generate":
+    if args.command == "store":
+        from . import store
+
+        try:
+            store.check_positions(args.positions)
+        except ValueError as error:
+            parser.error(f"--{error}")
+        needed, what = max(args.positions), f"--positions {' '.join(map(str, args.positions))}"
+    elif args.command == "generate":
         needed, what = args.max_new_tokens, f"--max-new-tokens {args.max_new_tokens}"
     else:
         needed = max(max(args.prompt_tokens), min(args.prompt_tokens) + args.decode_tokens)
@@ -234,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.silence_kernel_mapping_warnings()
     try:
         _check_against_file(parser, args)
-        return generate(args) if args.command == "generate" else run_bench(args)
+        return {"generate": generate, "bench": run_bench, "store": store_steps}[args.command](args)
     except (FileNotFoundError, ValueError) as error:
         print(f"ggml-kernels: error: {error}", file=sys.stderr)
         return 2

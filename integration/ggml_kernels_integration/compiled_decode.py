@@ -243,9 +243,9 @@ _told = weakref.WeakSet()  # the models `say_how_to_store` has spoken of
 def how_to_store(name: str, how: str) -> str:
     """What a model named `name` that decoded eagerly under "auto" for want of a stored step is told
     (`how`: the switch that stores one)."""
-    return (f"{name} decoded eagerly, no compiled step of it is stored; run it once with {how} to export its "
-            "decode step and short prompts as packages (about 30-60 s each, once per model and shape), which "
-            'later processes load in milliseconds and compile_decode="auto" runs')
+    return (f"{name} decoded eagerly, no compiled step of it is stored; store its steps once with {how} (its "
+            "decode step and short prompts exported as packages, 25-70 s each, once per model, cache length and "
+            'thread count), which later processes load in milliseconds and compile_decode="auto" runs')
 
 
 def say_how_to_store(model) -> None:
@@ -254,7 +254,7 @@ def say_how_to_store(model) -> None:
     if not packaged_steps.enabled() or model in _told:
         return
     _told.add(model)
-    LOGGER.info("ggml-kernels: %s", how_to_store(type(model).__name__, "enable(compile_decode=True)"))
+    LOGGER.info("ggml-kernels: %s", how_to_store(type(model).__name__, "ggml_kernels_integration.store_steps(model)"))
 
 
 def _batch_and_new_tokens(config, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:

@@ -70,10 +70,35 @@ def test_generate_compiles_its_decode_step_for_later_runs(tiny, tmp_path):
     # "auto" with nothing stored decodes eagerly and says how to store a step (where steps are packaged)
     unstored = cli(*command, env={stored_steps.ENV: str(tmp_path / "empty"), **DECODE_STEPS_ONLY})
     assert unstored.returncode == 0 and unstored.stdout == off.stdout, unstored.stderr[-3000:]
-    assert ("run it once with --compile-decode on" in unstored.stderr) == packaged_steps.enabled(), unstored.stderr
-    assert "--compile-decode on" not in auto.stderr + off.stderr
+    hint = "store its steps once with `python -m ggml_kernels_integration store --gguf"
+    assert (hint in unstored.stderr) == packaged_steps.enabled(), unstored.stderr
+    assert hint not in auto.stderr + off.stderr
     refused = cli(*command, "--no-kernels", "--compile-decode", "on")
     assert refused.returncode == 2 and "drop --no-kernels" in refused.stderr, refused.stderr[-3000:]
+
+
+def test_store_exports_what_auto_then_loads(tiny, tmp_path):
+    """`store` exports the decode step of a 256-position cache and the prompt packages for every
+    prompt up to 128 tokens (a Qwen3.5 file: its first prompt runs eagerly, then each range's package
+    is exported); a second `store` finds them all stored; `generate` under "auto" then loads the step."""
+    from ggml_kernels_integration import packaged_steps, stored_steps
+
+    env = {stored_steps.ENV: str(tmp_path / "steps")}
+    first, again = (cli("store", "--gguf", tiny, env=env) for _ in range(2))
+    if not packaged_steps.enabled():
+        assert first.returncode == 2 and "step packages are off here" in first.stderr, first.stderr[-3000:]
+        return
+    for proc in (first, again):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    line = first.stdout.strip().splitlines()[-1]
+    assert line.startswith("batch 1 x 256 positions: decode step exported in "), first.stdout
+    spans = line.split("prompt packages for ")[1].split(" tokens")[0].split(", ")
+    assert spans[0].startswith("2-") and spans[-1].endswith("-128"), line  # every length from 2 to 128
+    assert again.stdout.strip().splitlines()[-1].startswith(
+        f"batch 1 x 256 positions: decode step stored already; prompt packages for {', '.join(spans)} tokens"), again
+    auto = cli("generate", "--gguf", tiny, "--prompt", "Once upon a time", "--max-new-tokens", "6", env=env)
+    # (a Qwen3.5 model's first prompt in a process runs eagerly: its prompt packages serve later ones)
+    assert auto.returncode == 0 and "1 loaded from" in auto.stderr, auto.stderr[-3000:]
 
 
 def test_bench_json(tiny):
@@ -129,6 +154,8 @@ def test_bad_file(tmp_path):
         (("bench", "--backend", "kernels", "--repeats", "0"), "argument --repeats: 0 is out of range: it must be 1 to 1,000"),
         (("generate", "--max-new-tokens", "5000"), "--max-new-tokens 5000 needs 5,000 positions; "),
         (("generate", "--compile-decode", "maybe"), "argument --compile-decode: invalid choice: 'maybe'"),
+        (("store", "--positions", "256", "300"), "--positions: 300 is not a cache length a compiled generate() takes"),
+        (("store", "--positions", "8192"), "--positions 8192 needs 8,192 positions; "),
     ],
 )
 def test_arguments_out_of_bounds_are_usage_errors(tiny, args, message):
@@ -140,7 +167,7 @@ def test_arguments_out_of_bounds_are_usage_errors(tiny, args, message):
     proc = cli(command, "--gguf", tiny, *rest)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "usage: ggml-kernels" in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
-    if "positions" in message:
+    if " positions; " in message:
         assert "holds 4,096 (qwen35.context_length)" in proc.stderr
     assert "Traceback" not in proc.stderr and "loading" not in proc.stderr
 
