@@ -58,7 +58,8 @@ tokens, not in a chat turn's few hundred. Lighter backends gain nothing: `backen
 Each step is exported and compiled by AOTInductor into a package and stored
 (`packaged_steps`: 28-34 s once on SmolLM2 and the 0.8B shape): a later process loads it in ~10 ms
 and runs it without dynamo or guards (SmolLM2 generate() 1.36-1.41x eager), and "auto" decodes every
-generate() whose step is stored that way. Steps that cannot be exported are compiled ahead of time by
+generate() whose step is stored that way (`store.store_steps` stores a model's steps and prompt
+packages up front). Steps that cannot be exported are compiled ahead of time by
 dynamo and stored (`stored_steps`, torch 2.15 on: loaded in ~1.3-1.4 s, which "auto" does not count on); the
 `torch.compile` above is the last resort.
 """
