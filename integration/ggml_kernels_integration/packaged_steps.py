@@ -440,20 +440,38 @@ def _output(step: _Loaded, split: tuple):
 
 
 def _load_package(path: Path):
-    """`aoti_load_package` without its check of the CPU's vector instructions against the package's (a
-    warning at most; a package's name holds them: `decode_graph.vector_isa`), for which inductor
-    builds and loads a probe per instruction set in a Python subprocess each: 1.2-1.3 s of a process's
-    first generate() (Intel Xeon, torch 2.13). The instruction sets the CPU has are taken as built,
-    and what inductor keeps of that is dropped after (a compile probes them anew)."""
+    """`aoti_load_package` without inductor's probe of the CPU's vector instructions, which it makes
+    only to warn where the package's differ: it builds and loads a probe per instruction set in a
+    Python subprocess each (1.2-1.3 s of a process's first generate(), Intel Xeon, torch 2.13), and
+    with `cpp.vec_isa_ok` still its bfloat16, VNNI and AMX probes (~0.3 s). Here inductor's pick is
+    `decode_graph.vector_isa`, the same answer read from the CPU's flags (a package's name holds it
+    too); `cpp.vec_isa_ok` covers a torch that reads the pick another way, and what inductor keeps of
+    such a probe is dropped after (a compile probes them anew)."""
+    from unittest import mock
+
     from torch._inductor import config, cpu_vec_isa
 
+    from . import decode_graph
+
+    picked = _IsaName(decode_graph.vector_isa())
     probed = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
     try:
-        with stored_steps.inductor_files(), config.patch({"cpp.vec_isa_ok": True}):
+        with stored_steps.inductor_files(), config.patch({"cpp.vec_isa_ok": True}), \
+                mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: picked):
             return torch._inductor.aoti_load_package(str(path))
     finally:
         if not probed:
             cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+class _IsaName:
+    """What the package loader reads of inductor's picked instruction set: its name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class PackagedSteps:

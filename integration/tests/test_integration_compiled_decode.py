@@ -555,6 +555,33 @@ def test_the_vector_isa_is_read_as_inductor_picks_it():
     assert decode_graph.vector_isa() == str(pick_vec_isa())
 
 
+def test_a_package_loads_without_probing_the_vector_isa(monkeypatch, tmp_path):
+    """`_load_package` hands the loader `vector_isa` as inductor's pick: no probe is built or run
+    (~0.3 s of a process's first packaged generate()), and inductor's own pick is back after."""
+    import functools
+
+    import torch
+    from ggml_kernels_integration import decode_graph, packaged_steps
+    from torch._inductor import cpu_vec_isa
+
+    seen = {}
+
+    def load(path):
+        seen["path"], seen["isa"] = path, str(cpu_vec_isa.pick_vec_isa())
+        return "runner"
+
+    @functools.cache
+    def probe():
+        raise AssertionError("the vector ISA was probed")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
+    original = cpu_vec_isa.pick_vec_isa
+    assert packaged_steps._load_package(tmp_path / "step.pt2") == "runner"
+    assert seen == {"path": str(tmp_path / "step.pt2"), "isa": decode_graph.vector_isa()}
+    assert cpu_vec_isa.pick_vec_isa is original
+
+
 def _stores_steps() -> bool:
     from ggml_kernels_integration import stored_steps
 
