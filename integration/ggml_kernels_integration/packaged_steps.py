@@ -58,6 +58,7 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -445,8 +446,10 @@ def _load_package(path: Path):
     Python subprocess each (1.2-1.3 s of a process's first generate(), Intel Xeon, torch 2.13), and
     with `cpp.vec_isa_ok` still its bfloat16, VNNI and AMX probes (~0.3 s). Here inductor's pick is
     `decode_graph.vector_isa`, the same answer read from the CPU's flags (a package's name holds it
-    too); `cpp.vec_isa_ok` covers a torch that reads the pick another way, and what inductor keeps of
-    such a probe is dropped after (a compile probes them anew)."""
+    too), for the load only: a module that took inductor's pick by name while it was replaced (such
+    as inductor's codecache, imported by its first load) gets inductor's own back (`_unbind`).
+    `cpp.vec_isa_ok` covers a torch that reads the pick another way, and what inductor keeps of such
+    a probe is dropped after (a compile probes them anew)."""
     from unittest import mock
 
     from torch._inductor import config, cpu_vec_isa
@@ -454,14 +457,27 @@ def _load_package(path: Path):
     from . import decode_graph
 
     picked = _IsaName(decode_graph.vector_isa())
-    probed = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+    original, probed = cpu_vec_isa.pick_vec_isa, cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+
+    def pick():
+        return picked
+
     try:
         with stored_steps.inductor_files(), config.patch({"cpp.vec_isa_ok": True}), \
-                mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: picked):
+                mock.patch.object(cpu_vec_isa, "pick_vec_isa", pick):
             return torch._inductor.aoti_load_package(str(path))
     finally:
+        _unbind(pick, original)
         if not probed:
             cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def _unbind(stand_in, original) -> None:
+    """Every loaded module that took `stand_in` by name as `pick_vec_isa` gets `original` back."""
+    for module in list(sys.modules.values()):
+        held = getattr(module, "__dict__", {})
+        if held.get("pick_vec_isa") is stand_in:
+            module.pick_vec_isa = original
 
 
 class _IsaName:

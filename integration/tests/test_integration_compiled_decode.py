@@ -557,17 +557,24 @@ def test_the_vector_isa_is_read_as_inductor_picks_it():
 
 def test_a_package_loads_without_probing_the_vector_isa(monkeypatch, tmp_path):
     """`_load_package` hands the loader `vector_isa` as inductor's pick: no probe is built or run
-    (~0.3 s of a process's first packaged generate()), and inductor's own pick is back after."""
+    (~0.3 s of a process's first packaged generate()), and inductor's own pick is back after, in
+    inductor's module and in any module that took it by name during the load (inductor's codecache,
+    imported by a process's first load, did: a later compile then failed on the stand-in)."""
     import functools
+    import sys
+    import types
 
     import torch
     from ggml_kernels_integration import decode_graph, packaged_steps
     from torch._inductor import cpu_vec_isa
 
     seen = {}
+    importer = types.ModuleType("imports_the_pick_by_name")
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
 
     def load(path):
         seen["path"], seen["isa"] = path, str(cpu_vec_isa.pick_vec_isa())
+        importer.pick_vec_isa = cpu_vec_isa.pick_vec_isa  # `from ...cpu_vec_isa import pick_vec_isa`
         return "runner"
 
     @functools.cache
@@ -579,7 +586,7 @@ def test_a_package_loads_without_probing_the_vector_isa(monkeypatch, tmp_path):
     original = cpu_vec_isa.pick_vec_isa
     assert packaged_steps._load_package(tmp_path / "step.pt2") == "runner"
     assert seen == {"path": str(tmp_path / "step.pt2"), "isa": decode_graph.vector_isa()}
-    assert cpu_vec_isa.pick_vec_isa is original
+    assert cpu_vec_isa.pick_vec_isa is original and importer.pick_vec_isa is original
 
 
 def _stores_steps() -> bool:
