@@ -124,12 +124,12 @@ bool reads_quantized_x(ggml_type t) {
 // as ggml's do.
 //
 //   m     path                                  split over threads              prefetch
-//   1-7   ggml's vec_dot per weight row and     one run of about equal bytes    2 KiB ahead on
+//   1-8   ggml's vec_dot per weight row and     one run of about equal bytes    2 KiB ahead on
 //         activation row, no graph              per thread, a group's weights   Intel CPUs,
 //         (direct_dot_rows; from 2 rows only    end to end; >= 64 KiB each; a   none elsewhere
 //         types sgemm does not take, from 5     thread done early takes the     (prefetch_ahead)
-//         rows only rows of >= 1 KiB: see       others' next 64 KiB (DotRuns)
-//         takes_dot_rows)
+//         rows only rows of >= 1 KiB, at 8      others' next 64 KiB (DotRuns)
+//         rows no IQ type: see takes_dot_rows)
 //   2-128 ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
 //   (the  graph per thread (share_products)     KiB of weight x m per thread
 //   rest)
@@ -146,20 +146,29 @@ bool reads_quantized_x(ggml_type t) {
 // sums, so other bits); below that it computes every type with the same vec_dot per (weight row,
 // activation row), in blocks of 16 weight rows. direct_dot_rows does the same in blocks of a
 // 64 KiB piece's rows: each piece's rows are read from DRAM once and then from the cache for the
-// other activation rows, and the results are bit-identical to ggml's op. With ggml's 16-row blocks
-// (23 KiB of a 2560-column Q4_K weight) walked through each thread's own run, as a graph per thread
-// walks them, a Q4_K 9216x2560 product at 2 / 4 rows ran at 0.81 / 0.85x ggml's own op on an Intel
-// Xeon (2 threads; ggml's op deals its 16-row chunks to the threads in turn), with 64 KiB pieces
-// 1.07-1.13x. Intel Xeon (AVX-512 + AMX, 2 vCPUs), one process, alternating, 7-11 rounds
+// other activation rows, and up to 7 rows the results are bit-identical to ggml's op. At 8 rows
+// they are those of 1-7 rows (each output the vec_dot of its row alone), where ggml's op gives the
+// tiled kernel's sums for the K-quants: within the tests' tolerances of either. With ggml's 16-row
+// blocks (23 KiB of a 2560-column Q4_K weight) walked through each thread's own run, as a graph per
+// thread walks them, a Q4_K 9216x2560 product at 2 / 4 rows ran at 0.81 / 0.85x ggml's own op on an
+// Intel Xeon (2 threads; ggml's op deals its 16-row chunks to the threads in turn), with 64 KiB
+// pieces 1.07-1.13x. Intel Xeon (AVX-512 + AMX, 2 vCPUs), one process, alternating, 7-11 rounds
 // (2026-12-06):
 // - against ggml's op, Q4_1 / Q4_K / Q6_K on 9216x2560 and 2560x9216, 2 and 4 rows, 1 and 2
 //   threads: the graph per thread (share_products) 0.82-1.07x, these dot products 0.98-1.13x;
 // - against share_products on 576-3584-column Q4_1 / Q4_K / Q5_K / Q6_K weights, 2 and 4 rows:
-//   0.99-1.54x (1 and 2 threads). At 8 rows (here the vec_dot graph; the tiled kernel is slower
-//   still at 8 rows on long rows: 0.70-0.87x these dot products) they lost 0.77-0.89x on Q4_K and
-//   Q5_K rows of 576-704 bytes (1024 columns), whose 16-row blocks stay in the L1 in ggml's loop:
-//   hence no more than 4 rows on rows under 1 KiB.
-// At 16 and 64 rows ggml's tiled and 16x16 blocked kernels win 1.2-2.6x. Not measured on the EPYC.
+//   0.99-1.54x (1 and 2 threads). At 8 rows (here the vec_dot graph) they lost 0.77-0.89x on Q4_K
+//   and Q5_K rows of 576-704 bytes (1024 columns), whose 16-row blocks stay in the L1 in ggml's
+//   loop: hence no more than 4 rows on rows under 1 KiB.
+// At 8 rows on rows of >= 1 KiB, against ggml's op (2026-12-07, 2 threads, 9 rounds): Q4_K / Q6_K
+// on 1024x3584, 2560x9216 and 9216x2560 1.19-1.45x (the tiled kernel's 16-row tiles here read
+// slower than 64 KiB pieces), Q4_1 (ggml's vec_dot graph) 1.00-1.09x; in one-off runs on
+// 9216x2560 / 2560x9216 Q3_K 1.13x, Q2_K 0.99x / 1.70-1.87x, Q5_K 1.00x / 0.99-1.10x,
+// Q5_1 1.06-1.07x. Not the IQ types: their dot products decode each block's grid again for every
+// activation row, which the tiled kernel does once for all 8 (IQ3_S 9216x2560 10.2 against
+// ggml's 3.8 ms, IQ4_XS 4.2 against 3.6; IQ2_S 3.98 against 3.88). At 16 rows the tiled kernel wins
+// (Q4_K / Q6_K 1024x3584 0.87 / 0.90x these dot products), and at 16 and 64 rows ggml's tiled and
+// 16x16 blocked kernels 1.2-2.6x. Not measured on the EPYC.
 //
 // One run per thread, not ggml-cpu's 64-row chunks from a shared counter: a decode step streams
 // every weight from DRAM once, and a thread's contiguous run is one long stream for the hardware
@@ -190,10 +199,30 @@ bool reads_quantized_x(ggml_type t) {
 // (2560x9216 Q6_K 2.58 against 1.74 ms, one thread, 128 MB cycled) and won 1.05-1.17x only on
 // SmolLM2's short rows (2026-12-05; docs/benchmarks.md, "One-row products"); 2 KiB ahead is not
 // measured there.
-constexpr int64_t kDirectDotRows = 7;  // one below ggml's tiled kernel's 8 rows: the same bits
-// ... of which rows up to kShortRowsDotRows for weights whose rows hold fewer than kLongRowBytes.
+constexpr int64_t kDirectDotRows = 8;
+// ... of which rows up to kShortRowsDotRows for weights whose rows hold fewer than kLongRowBytes,
+// and up to kGridDotRows for the IQ types: one below ggml's tiled kernel's 8 rows.
 constexpr int64_t kShortRowsDotRows = 4;
 constexpr int64_t kLongRowBytes = 1024;
+constexpr int64_t kGridDotRows = 7;
+
+// The IQ types whose blocks index a grid of values: ggml quantizes them by a grid search.
+bool is_grid_search_type(ggml_type t) {
+  switch (t) {
+    case GGML_TYPE_IQ1_S:
+    case GGML_TYPE_IQ1_M:
+    case GGML_TYPE_IQ2_XXS:
+    case GGML_TYPE_IQ2_XS:
+    case GGML_TYPE_IQ2_S:
+    case GGML_TYPE_IQ3_XXS:
+    case GGML_TYPE_IQ3_S: return true;
+    default: return false;
+  }
+}
+
+// The IQ types ggml's vec_dot runs (IQ4_NL goes to llamafile's sgemm): their blocks index grids
+// or a non-linear table, decoded again for every activation row (see kDirectDotRows).
+bool decodes_grids(ggml_type type) { return is_grid_search_type(type) || type == GGML_TYPE_IQ4_XS; }
 
 // Whether ggml-cpu's mul_mat of a `type` weight over m > 1 activation rows hands it to llamafile's
 // sgemm (x86 with AVX, Arm with dot products) rather than to its vec_dot: the float types and
@@ -205,10 +234,13 @@ bool sgemm_takes(ggml_type type) {
 
 // Whether a plain weight's product over m activation rows (rows of row_bytes) runs as
 // direct_dot_rows (see kDirectDotRows): a quantized type whose vec_dot takes one row at a time, at
-// 1 row, or at 2 to kDirectDotRows rows where ggml would not use sgemm (short rows: fewer).
+// 1 row, or at 2 to kDirectDotRows rows where ggml would not use sgemm (short rows and the IQ
+// types: fewer).
 bool takes_dot_rows(ggml_type type, int64_t m, int64_t row_bytes) {
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
-  const int64_t most = row_bytes >= kLongRowBytes ? kDirectDotRows : kShortRowsDotRows;
+  const int64_t most = row_bytes < kLongRowBytes ? kShortRowsDotRows
+                       : decodes_grids(type)     ? kGridDotRows
+                                                 : kDirectDotRows;
   return m >= 1 && m <= most && traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1 &&
          (m == 1 || !sgemm_takes(type));
 }
@@ -459,19 +491,6 @@ at::Tensor checked_imatrix(const std::optional<at::Tensor>& imatrix, int64_t col
 // each. Far below that the values are out of the formats' reach anyway: a block's scale is a
 // float16.
 constexpr double kGridSearchLimit = 4294967296.0;  // 2^32
-
-bool is_grid_search_type(ggml_type t) {
-  switch (t) {
-    case GGML_TYPE_IQ1_S:
-    case GGML_TYPE_IQ1_M:
-    case GGML_TYPE_IQ2_XXS:
-    case GGML_TYPE_IQ2_XS:
-    case GGML_TYPE_IQ2_S:
-    case GGML_TYPE_IQ3_XXS:
-    case GGML_TYPE_IQ3_S: return true;
-    default: return false;
-  }
-}
 
 // x (finite, float32) and the importances within the grid-search quantizers' range.
 void check_grid_search_range(ggml_type type, const at::Tensor& xf, const at::Tensor& im) {

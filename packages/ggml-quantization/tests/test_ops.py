@@ -346,33 +346,49 @@ def test_one_row_split_computes_every_row_once(gq, t, rows, threads):
     assert rel_err(one, gq.reference.mul_mat_emulated(blocks, x[:1], t, rows)) < MATMUL_RTOL
 
 
-# From 2 to 7 activation rows the types ggml-cpu runs on its vec_dot (not llamafile's sgemm; from 8
-# rows the K-quants go to its tiled kernel) take the same dot products without a graph, in 64 KiB
-# pieces of rows per activation row (quantization_cpu.cpp, takes_dot_rows: up to 4 rows on rows of
-# under 1 KiB). Each output is the one ggml's vec_dot gives for that row alone, and where the graph
-# takes over (5-7 rows of short rows) its rows are the same bits. 2048 columns make rows of
-# 1152-1680 bytes, 256 columns rows of 144-210; 513 rows put the threads' cut at an odd row.
-@pytest.mark.parametrize("m", [2, 4, 7])
+# From 2 to 8 activation rows the types ggml-cpu runs on its vec_dot (not llamafile's sgemm) take
+# the same dot products without a graph, in 64 KiB pieces of rows per activation row
+# (quantization_cpu.cpp, takes_dot_rows: up to 4 rows on rows of under 1 KiB; from 8 rows ggml
+# hands the K-quants to its tiled kernel, whose sums differ). Each output is the one ggml's vec_dot
+# gives for that row alone, and where the graph takes over (5-7 rows of short rows) its rows are the
+# same bits. 2048 columns make rows of 1152-1680 bytes, 256 columns rows of 144-210; 513 rows put
+# the threads' cut at an odd row.
+@pytest.mark.parametrize("shape_m", [((513, 2048), m) for m in (2, 4, 7, 8)] + [((200, 256), m) for m in (2, 4, 7)],
+                         ids=lambda s: f"{s[0][0]}x{s[0][1]}-m{s[1]}")
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape", [(513, 2048), (200, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("t", [12, 14, 3], ids=lambda t: TYPE_IDS[t])
-def test_few_rows_dot_products_equal_ggml_graph(gq, t, shape, threads, m):
-    rows, cols = shape
+def test_few_rows_dot_products_equal_ggml_graph(gq, t, shape_m, threads):
+    (rows, cols), m = shape_m
     blocks, cols = make_weights(gq, t, rows=rows, cols=cols, seed=rows + m)
-    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(m))
+    x = torch.randn(8, cols, generator=torch.Generator().manual_seed(m))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         few = gq.mul_mat_vec(blocks, x[:m], t, rows)
         (grouped,) = gq.mul_mat_group([blocks], x[:m], [t], [rows])
         alone = torch.cat([gq.mul_mat_vec(blocks, x[j : j + 1], t, rows) for j in range(m)])
-        seven = gq.mul_mat_vec(blocks, x, t, rows)  # the graph on short rows
+        seven = gq.mul_mat_vec(blocks, x[:7], t, rows)  # the graph on short rows
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(few, alone, rtol=0, atol=0)
-    torch.testing.assert_close(few, seven[:m], rtol=0, atol=0)
+    torch.testing.assert_close(few[:7], seven[:m], rtol=0, atol=0)
     torch.testing.assert_close(grouped, few, rtol=0, atol=0)
     assert rel_err(few, gq.reference.mul_mat_emulated(blocks, x[:m], t, rows)) < MATMUL_RTOL
+
+
+# At 8 rows the IQ types keep ggml's graph (its tiled kernel decodes each block once for all 8 rows,
+# their dot products once per row): the same outputs as ggml's own op, within the reference's
+# tolerance, and the dot products' at 7 rows stay the vec_dot's of each row alone.
+@pytest.mark.parametrize("t", [23, 21], ids=lambda t: TYPE_IDS[t])
+def test_eight_rows_of_iq_types_keep_ggml_graph(gq, t):
+    blocks, cols = make_weights(gq, t, rows=64, cols=2048, seed=t)
+    x = torch.randn(8, cols, generator=torch.Generator().manual_seed(t))
+    eight = gq.mul_mat_vec(blocks, x, t, 64)
+    seven = gq.mul_mat_vec(blocks, x[:7], t, 64)
+    alone = torch.cat([gq.mul_mat_vec(blocks, x[j : j + 1], t, 64) for j in range(7)])
+    torch.testing.assert_close(seven, alone, rtol=0, atol=0)
+    assert not torch.equal(eight[:7], seven)  # other sums: the tiled kernel's, not the dot products'
+    assert rel_err(eight, gq.reference.mul_mat_emulated(blocks, x, t, 64)) < MATMUL_RTOL
 
 
 # A group's weights laid end to end: the cut between the two threads' runs falls inside the first
