@@ -180,7 +180,7 @@ def generate(args) -> int:
     prompt_s, steps_s = rec.compiling_seconds() if rec is not None else (0.0, 0.0)
     if rec is not None and rec.describe():
         _stage(rec.describe() + ("; the compile is left out of the rates below" if prompt_s + steps_s else ""))
-    elif kernels_on and args.compile_decode == "auto" and _stores_steps():
+    elif kernels_on and args.compile_decode == "auto" and _can_store():
         _stage(_how_to_store(path))
     prefill = f"{n_prompt / (times[0] - start - prompt_s):.1f} tok/s" if times else "-"
     decode = f"{(len(times) - 1) / (times[-1] - times[0] - steps_s):.1f} tok/s" if len(times) > 1 else "-"
@@ -213,10 +213,10 @@ def store_steps(args) -> int:
     return 0
 
 
-def _stores_steps() -> bool:
-    from . import packaged_steps
+def _can_store() -> bool:
+    from . import store
 
-    return packaged_steps.enabled()
+    return store.why_not() is None
 
 
 def _how_to_store(path: Path) -> str:

@@ -238,6 +238,42 @@ def test_mul_mat_id_many_tokens(gq):
     assert rel_err(out, gq.reference.mul_mat_id_emulated(blocks, x, ids, 12, rows)) < MATMUL_RTOL
 
 
+# From 65 (token, expert) pairs up to 4 per expert on average (a prompt of up to 32 tokens on a top-8
+# layer of 64 experts) mul_mat_id groups the pairs by expert and reads each expert's rows once for
+# all its tokens (quantization_cpu.cpp, grouped_dot_mul_mat_id): each output is the vec_dot of its
+# row alone, as a one-row product gives it, whichever thread and piece computes it; unused experts
+# are skipped. Both of transformers' calls: the tokens' top-k, then one row per pair.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("t", [12, 14, 2, 8], ids=lambda t: TYPE_IDS[t])
+def test_mul_mat_id_grouped_by_expert_equals_one_row_products(gq, t, threads):
+    experts, rows = 40, 72
+    blocks = torch.stack([make_weights(gq, t, rows=rows, cols=512, seed=e)[0] for e in range(experts)])
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(24, 512, generator=g)
+    used = torch.randperm(experts, generator=g)[:30]  # 10 experts get no token
+    # 96 pairs; the first expert takes 10 tokens, where ggml's op would run the K-quants' tiled kernel
+    ids = torch.stack([torch.cat([used[:1], used[1:][torch.randperm(29, generator=g)[:3]]]) if i < 10
+                       else used[torch.randperm(30, generator=g)[:4]] for i in range(24)]).int()
+    flat_x = torch.cat([x.repeat_interleave(4, 0), x[:34]])  # one row per pair: 130 pairs
+    flat_ids = torch.cat([ids.reshape(-1, 1), ids[:34, :1]])
+
+    def one_row_products(xs, es):
+        return torch.stack([gq.mul_mat_vec(blocks[e], r[None], t, rows)[0] for r, e in zip(xs, es, strict=True)])
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = gq.mul_mat_id(blocks, x, ids, t, rows)
+        flat = gq.mul_mat_id(blocks, flat_x, flat_ids, t, rows)
+        alone = one_row_products(x.repeat_interleave(4, 0), ids.reshape(-1)).view(24, 4, rows)
+        flat_alone = one_row_products(flat_x, flat_ids.reshape(-1)).view(-1, 1, rows)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, alone, rtol=0, atol=0)
+    torch.testing.assert_close(flat, flat_alone, rtol=0, atol=0)
+    assert rel_err(out, gq.reference.mul_mat_id_emulated(blocks, x, ids, t, rows)) < MATMUL_RTOL
+
+
 # weights of a layer's sibling projections: same columns, different types and row counts (a Q4_K_M
 # file's q/k in Q4_K, v in Q6_K; row counts not multiples of anything)
 GROUP_TYPES = [(12, 300), (12, 64), (14, 100), (8, 33), (3, 7), (30, 129), (0, 40)]
