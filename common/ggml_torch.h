@@ -102,6 +102,10 @@ extern const bool kSlicesOverThreads;
 // Whether a Graph records the torch tensor each leaf and result lies in (Graph::note): the MPS
 // backend binds that tensor's own Metal buffer.
 extern const bool kNotesTensors;
+// Whether the ops run on an Intel CPU (the CPU backend; false for the others): the CPU paths whose
+// best choice was measured to differ between an Intel Xeon and an AMD EPYC read it (software
+// prefetch in ggml-quantization, the decode split of ggml-attn).
+extern const bool kIntelCpu;
 }  // namespace backend
 
 class Graph {

@@ -48,6 +48,10 @@ constexpr Variant kVariants[] = {
 const char* backend_name() { return "cpu"; }
 const c10::DeviceType backend::kDevice = c10::DeviceType::CPU;
 const bool backend::kSlicesOverThreads = true;
+const bool backend::kIntelCpu = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") != 0;
+}();
 const bool backend::kNotesTensors = false;
 
 backend::Loaded backend::load(GgmlApi& api) {

@@ -105,6 +105,7 @@ struct ReleaseIfBig {
 const char* backend_name() { return "metal-emu"; }
 const c10::DeviceType backend::kDevice = c10::DeviceType::CPU;  // uploaded, run, read back
 const bool backend::kSlicesOverThreads = false;
+const bool backend::kIntelCpu = false;
 const bool backend::kNotesTensors = false;
 
 backend::Loaded backend::load(GgmlApi& api) {

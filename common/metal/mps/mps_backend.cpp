@@ -208,6 +208,7 @@ at::Tensor scratch_view(const at::Tensor& scratch, size_t offset, const ggml_ten
 const char* backend_name() { return GGML_KERNELS_MPS_BACKEND_NAME; }
 const c10::DeviceType backend::kDevice = c10::DeviceType::GGML_KERNELS_MPS_DEVICE;
 const bool backend::kSlicesOverThreads = false;
+const bool backend::kIntelCpu = false;
 const bool backend::kNotesTensors = true;
 
 backend::Loaded backend::load(GgmlApi& api) {

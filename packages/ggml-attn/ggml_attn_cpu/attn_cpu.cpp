@@ -5,7 +5,8 @@
 // h / (Hq / Hkv), as transformers' repeat_kv). Masks become ggml's additive f16 mask.
 //
 // Work split: prefill slices the query rows of each batch entry over torch's threads, one
-// single-threaded graph per slice (aligned to ggml's 64-row tiles); decode (one query row) runs one
+// single-threaded graph per slice (aligned to ggml's 64-row tiles, several a thread, the last rows
+// first: kPrefillSlicesPerThread); decode (one query row) runs one
 // graph per batch entry on torch's threads when there are enough entries; a single sequence splits
 // its KV heads over torch's threads (one graph each) up to a few thousand keys, beyond that ggml's
 // own pool divides the keys between its threads (split-KV).
@@ -39,6 +40,22 @@ constexpr int64_t kSplitHeadsMinWork = 96 * 1024;
 // keys 122 -> 106, 1024 keys 258 -> 211, 2048 keys 455 -> 417. At 4096 keys ggml's own split of the
 // keys was as fast or faster (16/4/256: 1.03 vs 1.45 ms in one run).
 constexpr int64_t kSplitHeadsMaxKeys = 2048;
+// ... and on Intel CPUs up to this many, where ggml's pool, whose workers sleep between graphs,
+// woke late: Intel Xeon (2 vCPUs, KVM), 2 threads, 9 alternating rounds against ggml's own op
+// (`versus_ggml ggml-attn --only 'decode_kv'`, 2026-12-07), ggml's split -> the heads split:
+// 8/2/256 4096 keys 1.65 -> 1.27 ms (0.78 -> 1.02x ggml's op), 16/4/256 3.21 -> 2.57 ms (0.88 ->
+// 1.02x); at 16384 keys 8.29 -> 6.70 and 18.6 -> 18.4 ms.
+constexpr int64_t kSplitHeadsMaxKeysIntel = 4096;
+
+int64_t split_heads_max_keys() {
+  return backend::kIntelCpu ? kSplitHeadsMaxKeysIntel : kSplitHeadsMaxKeys;
+}
+
+// Slices of a prefill's query rows per thread. ggml skips the key tiles a mask hides entirely, so
+// under a causal mask a query row's work grows with its position: one slice per thread left the
+// thread holding the last rows three times the work of the first (512 causal rows on 2 threads).
+// Several slices a thread, the costliest (last rows) taken first, even the threads out.
+constexpr int64_t kPrefillSlicesPerThread = 4;
 
 // Heads [h0, h1) of batch entry bi of t (B, H, S, D) as ggml's {D, S, h1 - h0}, without torch
 // views.
@@ -107,14 +124,17 @@ class AttentionCall {
     return out;
   }
 
-  // Query rows of each batch entry over torch's threads, slices aligned to ggml's query tiles.
+  // Query rows of each batch entry over torch's threads: kPrefillSlicesPerThread slices a thread
+  // (aligned to ggml's query tiles from the last row), taken from a shared counter last rows first.
   void prefill() {
     const int64_t work_per_row = hq_ * skv_ * std::max(d_, dv_);
     const int64_t min_rows =
         std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, work_per_row));
+    const int64_t align = sq_ >= 2 * kQueryTile ? kQueryTile : 1;
     for (int64_t bi = 0; bi < b_; ++bi) {
       parallel_chunks(
-          sq_, min_rows, sq_ >= 2 * kQueryTile ? kQueryTile : 1, 1, [&](int64_t i0, int64_t i1) {
+          sq_, min_rows, align, kPrefillSlicesPerThread, [&](int64_t from_end0, int64_t from_end1) {
+            const int64_t i0 = sq_ - from_end1, i1 = sq_ - from_end0;
             Graph g(16);
             const at::Tensor mask = mask_rows(bi, i0, i1 - i0);
             ggml_tensor* r = attention(g, g.view(q32_.select(0, bi).narrow(1, i0, i1 - i0)),
@@ -131,7 +151,7 @@ class AttentionCall {
     const bool split_heads =
         b_ == 1 && parts > 1 && !mask_.defined() &&
         hq_ * skv_ * std::max(d_, dv_) >= kSplitHeadsMinWork &&
-        (skv_ < kSplitKvMin || (hkv_ % parts == 0 && skv_ <= kSplitHeadsMaxKeys));
+        (skv_ < kSplitKvMin || (hkv_ % parts == 0 && skv_ <= split_heads_max_keys()));
     if (split_heads) {
       decode_split_heads(parts);
     } else if (b_ >= threads || threads == 1) {

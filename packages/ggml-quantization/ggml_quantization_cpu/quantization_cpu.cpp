@@ -301,13 +301,7 @@ int64_t total_bytes(const std::vector<DotRows>& dots) {
 
 // Bytes ahead of the weight row being read that direct_dot_rows asks the caches for: 2 KiB on
 // Intel CPUs, 0 (none) elsewhere; see kDirectDotRows for the measurements.
-int64_t prefetch_ahead() {
-  static const int64_t ahead = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") ? int64_t{2048} : int64_t{0};
-  }();
-  return ahead;
-}
+int64_t prefetch_ahead() { return backend::kIntelCpu ? int64_t{2048} : int64_t{0}; }
 
 // prefetcht0 for each cache line of [p, p + bytes) that lies before `end`.
 void prefetch_range(const uint8_t* p, int64_t bytes, const uint8_t* end) {
