@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cpu/cpu_runtime_api.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml-metal.h"
@@ -55,7 +56,7 @@ namespace ggml_kernels {
 #define GGML_KERNELS_CPU_FUNCTIONS(X)                                                              \
   X(ggml_cpu_init) X(ggml_get_type_traits_cpu) X(ggml_graph_plan) X(ggml_graph_compute)            \
   X(ggml_threadpool_new) X(ggml_threadpool_free) X(ggml_threadpool_params_default)                 \
-  X(ggml_backend_cpu_reg)
+  X(ggml_backend_cpu_reg) X(gk_llamafile_sgemm)
 // The Metal runtime: upstream's backend over a device layer (common/metal/metal_device_api.h), and
 // that layer's dispatch log.
 #define GGML_KERNELS_METAL_FUNCTIONS(X)                                                            \

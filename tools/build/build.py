@@ -215,7 +215,8 @@ def _build_kind(spec: PackageSpec, name: str, runtime: Path, jobs: int | None, c
     include_dirs = list(dict.fromkeys(pkg / d for k in kernels for d in k.include))
     headers = [p for p in sources if p.suffix == ".h"] + [h for d in include_dirs for h in sorted(d.glob("*.h"))]
     headers = list(dict.fromkeys(headers)) + sorted(COMMON.glob("*.h"))
-    headers += [COMMON / "metal" / "metal_device_api.h", COMMON / "metal" / "emu" / "metal_emu_api.h"]
+    headers += [COMMON / "cpu" / "cpu_runtime_api.h", COMMON / "metal" / "metal_device_api.h",
+                COMMON / "metal" / "emu" / "metal_emu_api.h"]
     headers += [h for d in platform.includes for h in sorted(d.glob("*.h"))]
     compiled = [p for p in sources if p.suffix in (".cpp", ".cc", ".c")]
 

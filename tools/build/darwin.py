@@ -216,7 +216,8 @@ def build_extension(spec: package_spec.PackageSpec, tc: Compilers, torch: TorchM
     sources += [COMMON / s for s in build.COMMON_SOURCES] + list(EXTENSION_BACKEND)
     include_dirs = list(dict.fromkeys(pkg / d for k in kernels for d in k.include))
     headers = sorted({*(p for p in sources if p.suffix == ".h"), *(h for d in include_dirs for h in d.glob("*.h")),
-                      *COMMON.glob("*.h"), *COMMON.glob("metal/*.h"), *MPS_DIR.glob("*.h")})
+                      *COMMON.glob("*.h"), *COMMON.glob("cpu/*.h"), *COMMON.glob("metal/*.h"),
+                      *MPS_DIR.glob("*.h")})
     variant = variant_name(torch)
     ext_id = f"_{py_name}_metal_{build.hash_files(sources + headers, f'darwin {torch.version}')}"
     work = pkg / "build" / ".ninja" / variant

@@ -63,6 +63,8 @@ COMMON_FLAGS = ["-O3", "-fPIC", "-pthread", "-fvisibility=hidden", "-w"]
 # Our sources the runtime compiles: staged into the cache, so the compile commands name no path of
 # the checkout and a clone elsewhere (CI's) finds the runtime up to date.
 COMPAT_FILES = ["glibc_compat.h", "glibc_compat.c", "glibcxx_compat.cpp"]
+# ... and the ggml-cpu internals the runtime exports under gk_ names (compiled per CPU variant).
+CPU_API_FILES = ["cpu/cpu_runtime_api.h", "cpu/cpu_runtime_api.cpp"]
 LIB_PREFIX = "libggml-kernels-cpu-"
 
 
@@ -81,12 +83,13 @@ def runtime_dir() -> Path:
     return upstream.ggml_tree().parent / ("runtime-sanitize" if sanitize.enabled() else "runtime")
 
 
-def _stage_compat(out: Path) -> Path:
-    """Copy COMPAT_FILES into out/common (rewritten only when their text changed); returns the folder."""
+def _stage_common(out: Path) -> Path:
+    """Copy COMPAT_FILES and CPU_API_FILES into out/common (rewritten only when their text changed);
+    returns the folder."""
     staged = out / "common"
-    staged.mkdir(parents=True, exist_ok=True)
-    for name in COMPAT_FILES:
+    for name in COMPAT_FILES + CPU_API_FILES:
         text = (COMMON / name).read_text()
+        (staged / name).parent.mkdir(parents=True, exist_ok=True)
         if not (staged / name).exists() or (staged / name).read_text() != text:
             (staged / name).write_text(text)
     return staged
@@ -124,7 +127,7 @@ def build(jobs: int | None = None) -> Path:
             objs.append(obj)
         return objs
 
-    compat = _stage_compat(out)
+    compat = _stage_common(out)
     common_flags = COMMON_FLAGS + ["-include", str(compat / "glibc_compat.h")]
     defs = [f"-D{d}" for d in DEFINES] + sanitize.compile_flags()
     # ggml-base holds no SIMD code worth specialising: compiled once, linked into every variant.
@@ -139,9 +142,11 @@ def build(jobs: int | None = None) -> Path:
     libs = []
     for name in selected_variants():
         flags, feature_defs = CPU_LEVELS[name]
-        cpu_objs = compile_all(
-            CPU_SOURCES, name, common_flags + flags + defs + [f"-D{d}" for d in feature_defs] + includes
-        )
+        cpu_flags = common_flags + flags + defs + [f"-D{d}" for d in feature_defs] + includes
+        cpu_objs = compile_all(CPU_SOURCES, name, cpu_flags)
+        api_obj = out / "obj" / name / "cpu_runtime_api.o"
+        n.build(api_obj, "cxx", compat / "cpu" / "cpu_runtime_api.cpp", variables={"flags": ninja.quote(cpu_flags)})
+        cpu_objs.append(api_obj)
         lib = out / f"{LIB_PREFIX}{name}.so"
         n.build(lib, "link", base_objs + cpu_objs + compat_objs,
                 variables={"ldflags": ninja.quote(ldflags + [f"-Wl,-soname,{lib.name}"])})

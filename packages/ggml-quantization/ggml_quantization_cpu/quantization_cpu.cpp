@@ -127,10 +127,11 @@ bool reads_quantized_x(ggml_type t) {
 //   m     path                                  split over threads              prefetch
 //   1-8   ggml's vec_dot per weight row and     one run of about equal bytes    2 KiB ahead on
 //         activation row, no graph              per thread, a group's weights   Intel CPUs,
-//         (direct_dot_rows; from 2 rows only    end to end; >= 64 KiB each; a   none elsewhere
-//         types sgemm does not take, from 5     thread done early takes the     (prefetch_ahead)
-//         rows only rows of >= 1 KiB, at 8      others' next 64 KiB (DotRuns)
-//         rows no IQ type: see takes_dot_rows)
+//         (direct_dot_rows; from 5 rows only    end to end; >= 64 KiB each; a   none elsewhere
+//         rows of >= 1 KiB, at 8 rows no IQ     thread done early takes the     (prefetch_ahead)
+//         type: see takes_dot_rows); from 2     others' next 64 KiB (DotRuns)   sgemm: the next
+//         rows sgemm's types on llamafile's     (sgemm: whole 4-row tiles)      8 KiB piece on
+//         sgemm (sgemm_rows_range)                                              Intel CPUs
 //   2-128 ggml's mul_mat, one single-thread     equal rows per thread; >= 64    none (as ggml)
 //   (the  graph per thread (share_products)     KiB of weight x m per thread
 //   rest)
@@ -142,8 +143,9 @@ bool reads_quantized_x(ggml_type t) {
 // have nrows == 1, and llamafile's sgemm declines a single column), so the results are
 // bit-identical, minus a graph's building and planning, a good part of a decode step's small
 // products. From 2 rows ggml's mul_mat hands Q4_0, Q5_0, Q8_0 and IQ4_NL weights to llamafile's
-// sgemm (x86 with AVX), which the graph keeps (it ran 1.1-2x faster than the dot products at 2-8
-// rows here), and from 8 rows the K-quants and most IQ types to its tiled K-quant kernel (other
+// sgemm (x86 with AVX), which direct_dot_rows then calls itself (sgemm_rows_range: the same bits;
+// sgemm ran 1.1-2x faster than the dot products at 2-8 rows here), and from 8 rows the K-quants
+// and most IQ types to its tiled K-quant kernel (other
 // sums, so other bits); below that it computes every type with the same vec_dot per (weight row,
 // activation row), in blocks of 16 weight rows. direct_dot_rows does the same in blocks of a
 // 64 KiB piece's rows: each piece's rows are read from DRAM once and then from the cache for the
@@ -233,17 +235,24 @@ bool sgemm_takes(ggml_type type) {
          type == GGML_TYPE_Q8_0 || type == GGML_TYPE_IQ4_NL;
 }
 
+// Whether a product of a plain `type` weight over m activation rows runs as llamafile's sgemm on
+// pieces of rows (sgemm_rows_range) inside direct_dot_rows: the quantized types sgemm takes, from
+// 2 rows (see kDirectDotRows).
+bool takes_sgemm_pieces(ggml_type type, int64_t m) {
+  return m >= 2 && sgemm_takes(type) && !is_float_type(type);
+}
+
 // Whether a plain weight's product over m activation rows (rows of row_bytes) runs as
-// direct_dot_rows (see kDirectDotRows): a quantized type whose vec_dot takes one row at a time, at
-// 1 row, or at 2 to kDirectDotRows rows where ggml would not use sgemm (short rows and the IQ
-// types: fewer).
+// direct_dot_rows (see kDirectDotRows): a quantized type whose vec_dot takes one row at a time
+// (fewer rows on short rows and for the IQ types), or sgemm's quantized types on pieces of rows.
 bool takes_dot_rows(ggml_type type, int64_t m, int64_t row_bytes) {
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
-  const int64_t most = row_bytes < kLongRowBytes ? kShortRowsDotRows
-                       : decodes_grids(type)     ? kGridDotRows
-                                                 : kDirectDotRows;
+  const int64_t most = takes_sgemm_pieces(type, m) ? kDirectDotRows
+                       : row_bytes < kLongRowBytes ? kShortRowsDotRows
+                       : decodes_grids(type)       ? kGridDotRows
+                                                   : kDirectDotRows;
   return m >= 1 && m <= most && traits->vec_dot_type != GGML_TYPE_F32 && traits->nrows == 1 &&
-         (m == 1 || !sgemm_takes(type));
+         (m == 1 || !sgemm_takes(type) || takes_sgemm_pieces(type, m));
 }
 
 // One packed weight of a product over m <= kDirectDotRows activation rows: its rows, its dot
@@ -257,6 +266,8 @@ struct DotRows {
   int64_t x_stride, m;
   float* out;
   int64_t out_stride;
+  ggml_type type = GGML_TYPE_COUNT, x_type = GGML_TYPE_COUNT;  // the weight's and xq's, for sgemm
+  bool sgemm = false;  // llamafile's sgemm on pieces of rows (sgemm_rows_range), not vec_dot
 };
 
 // Weight bytes a thread takes at least: below ~64 KiB the second thread's start and join cost more
@@ -309,11 +320,61 @@ void prefetch_range(const uint8_t* p, int64_t bytes, const uint8_t* end) {
     __builtin_prefetch(line, 0, 3);
 }
 
+// The rows sgemm_rows_range gives one sgemm call at a time on Intel CPUs: ~kSgemmPieceBytes of
+// weight, whole 4-row tiles, the next piece asked for (prefetcht0) before each call; rows of
+// kSgemmPrefetchRowBytes or more get one call per range, unprefetched. 0: one call per range.
+// sgemm reads a tile's 4 rows side by side, 4 streams of one row each: on short rows the Intel
+// Xeon's prefetchers hardly start on them (Q4_0 9216x2560, 1440-byte rows, 2 rows on one thread:
+// 3.3 ms in ggml's op against 2.2 ms for the same bytes in 2560x9216's 5184-byte rows). Intel Xeon
+// (AVX-512 + AMX, 2 vCPUs), against ggml's op, 2026-12-07:
+// - one thread, Q4_0 9216x2560 at 2 / 4 rows: pieces of 4-16 rows with the next one prefetched
+//   2.6-2.9 / 3.7 ms against 3.3 / 4.1; two pieces ahead or 32-row pieces less; prefetcht1 alike;
+// - versus_ggml, 7 rounds, 2 / 1 threads: 9216x2560 Q4_0 at 2 / 4 rows 1.20-1.21x / 1.11-1.13x,
+//   Q8_0 (2720-byte rows) at 2 / 4 / 8 rows 0.96-1.08x / 1.02-1.07x / 1.12-1.14x, 3584x1024 and
+//   1024x1024 at 8 rows 0.97-1.30x (from 0.93x for Q4_0 1024x1024 on the graph);
+// - rows of 3808 bytes (Q8_0 1024x3584) 0.92x prefetched, 0.98-1.01x not; 5184-byte rows (Q4_0
+//   2560x9216) 2.3-2.4 ms prefetched at any distance or level against 2.1 unprefetched: the
+//   prefetchers stream those rows themselves, and these stay at ggml's op's speed (0.94-0.98x in
+//   versus_ggml, 1.00x in a process of one side alone: the same kernel on the same tiles).
+// Not measured on the EPYC: there one call per range, as ggml.
+constexpr int64_t kSgemmTileRows = 4;
+constexpr int64_t kSgemmPieceBytes = 8192;
+constexpr int64_t kSgemmPrefetchRowBytes = 3072;
+int64_t sgemm_piece_rows(int64_t row_bytes) {
+  if (!backend::kIntelCpu || row_bytes >= kSgemmPrefetchRowBytes) return 0;
+  return std::max<int64_t>(1, kSgemmPieceBytes / row_bytes / kSgemmTileRows) * kSgemmTileRows;
+}
+
 // out[j, r] = W[r] . x[j] for the rows [r0, r1) of one weight and every activation row j, with
 // ggml-cpu's vec_dot, in row order for each j: the rows are read from memory for the first and
 // from the cache for the others.
+void vec_dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1);
+
+// The same with llamafile's sgemm (d.sgemm), which ggml's mul_mat runs for these types from 2 rows:
+// in pieces of sgemm_piece_rows, so that each piece's bytes can be asked for ahead. Where this
+// CPU level's sgemm declines the type (no AVX), vec_dot as ggml's mul_mat then does.
+void sgemm_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
+  const auto& G = ggml();
+  const int64_t a_size = G.ggml_type_size(d.type), b_size = G.ggml_type_size(d.x_type);
+  const int64_t blocks = k / G.ggml_blck_size(d.type), piece = sgemm_piece_rows(d.row_bytes);
+  const uint8_t* end = d.w + (r1 - 1) * d.stride + d.row_bytes;  // the range's last weight byte + 1
+  for (int64_t i = r0; i < r1; i += piece > 0 ? piece : r1 - r0) {
+    const int64_t rows = piece > 0 ? std::min(piece, r1 - i) : r1 - i;
+    if (piece > 0) prefetch_range(d.w + (i + piece) * d.stride, piece * d.stride, end);
+    if (!G.gk_llamafile_sgemm(rows, d.m, blocks, d.w + i * d.stride, d.stride / a_size, d.xq,
+                              d.x_stride / b_size, d.out + i, d.out_stride, d.type, d.x_type,
+                              GGML_TYPE_F32))
+      return vec_dot_rows_range(d, k, i, r1);
+  }
+}
+
 void dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
   if (r0 >= r1) return;
+  if (d.sgemm) return sgemm_rows_range(d, k, r0, r1);
+  vec_dot_rows_range(d, k, r0, r1);
+}
+
+void vec_dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
   const int64_t ahead = prefetch_ahead();
   const uint8_t* end = d.w + (r1 - 1) * d.stride + d.row_bytes;  // the range's last weight byte + 1
   for (int64_t j = 0; j < d.m; ++j) {
@@ -333,7 +394,8 @@ void dot_share(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64
                int64_t pieces) {
   int64_t base = 0;
   for (const auto& d : dots) {
-    const auto [r0, r1] = share_rows(total, t, pieces, base, d.rows, d.row_bytes);
+    const int64_t align = d.sgemm ? kSgemmTileRows : 1;  // ggml's op's tiles, so its bits
+    const auto [r0, r1] = share_rows(total, t, pieces, base, d.rows, d.row_bytes, align);
     base += d.rows * d.row_bytes;
     dot_rows_range(d, k, r0, r1);
   }
@@ -390,16 +452,20 @@ void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k, int64_t m) {
 // xq: (m, row_size) activations quantized; out2: (m, N) float32 with a dense last dim.
 DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq,
                  const at::Tensor& out2) {
+  const auto* traits = ggml().ggml_get_type_traits_cpu(type);
   return {static_cast<const uint8_t*>(blocks.data_ptr()),
           blocks.stride(0),
           blocks.size(1),
           blocks.size(0),
-          ggml().ggml_get_type_traits_cpu(type)->vec_dot,
+          traits->vec_dot,
           static_cast<const uint8_t*>(xq.data_ptr()),
           xq.stride(0),
           xq.size(0),
           out2.data_ptr<float>(),
-          out2.stride(0)};
+          out2.stride(0),
+          type,
+          traits->vec_dot_type,
+          takes_sgemm_pieces(type, xq.size(0))};
 }
 
 // (token, expert) pairs up to which mul_mat_id calls the dot products itself, as mul_mat does for

@@ -29,6 +29,8 @@ res = {
     "max_gemv_rows": k.MAX_GEMV_ROWS,
     "info": k.info(),
 }
+q = k.quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(1)), "Q4_0")
+res["y_q4_0"] = k.mul_mat_vec(q, x, 2, 16).tolist()  # 3 rows: llamafile's sgemm, vec_dot on x64
 """
 
 
@@ -60,6 +62,7 @@ def test_every_cpu_level_loads_and_agrees(gq, level):
     torch.manual_seed(0)
     x = torch.randn(3, 256)
     b = gq.quantize(torch.randn(16, 256), "Q4_K")
-    here = gq.mul_mat_vec(b, x, 12, 16)
-    there = torch.tensor(res["y"])
-    assert (here - there).abs().max().item() <= MATMUL_RTOL * here.abs().max().item()
+    q4_0 = gq.quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(1)), "Q4_0")
+    for y, q, t in ((res["y"], b, 12), (res["y_q4_0"], q4_0, 2)):
+        here, there = gq.mul_mat_vec(q, x, t, 16), torch.tensor(y)
+        assert (here - there).abs().max().item() <= MATMUL_RTOL * here.abs().max().item()
