@@ -40,15 +40,13 @@ constexpr int64_t kSplitHeadsMinWork = 96 * 1024;
 // keys 122 -> 106, 1024 keys 258 -> 211, 2048 keys 455 -> 417. At 4096 keys ggml's own split of the
 // keys was as fast or faster (16/4/256: 1.03 vs 1.45 ms in one run).
 constexpr int64_t kSplitHeadsMaxKeys = 2048;
-// ... and on Intel CPUs up to this many, where ggml's pool, whose workers sleep between graphs,
+// ... and on Intel CPUs at every key count, where ggml's pool, whose workers sleep between graphs,
 // woke late: Intel Xeon (2 vCPUs, KVM), 2 threads, 9 alternating rounds against ggml's own op
 // (`versus_ggml ggml-attn --only 'decode_kv'`, 2026-12-07), ggml's split -> the heads split:
 // 8/2/256 4096 keys 1.65 -> 1.27 ms (0.78 -> 1.02x ggml's op), 16/4/256 3.21 -> 2.57 ms (0.88 ->
-// 1.02x); at 16384 keys 8.29 -> 6.70 and 18.6 -> 18.4 ms.
-constexpr int64_t kSplitHeadsMaxKeysIntel = 4096;
-
+// 1.02x); at 16384 keys 9.04 -> 7.53 ms (0.80 -> 0.89x) and 19.8 -> 19.3 ms (0.93 -> 1.02x).
 int64_t split_heads_max_keys() {
-  return backend::kIntelCpu ? kSplitHeadsMaxKeysIntel : kSplitHeadsMaxKeys;
+  return backend::kIntelCpu ? std::numeric_limits<int64_t>::max() : kSplitHeadsMaxKeys;
 }
 
 // Slices of a prefill's query rows per thread. ggml skips the key tiles a mask hides entirely, so
