@@ -331,7 +331,8 @@ void prefetch_range(const uint8_t* p, int64_t bytes, const uint8_t* end) {
 //   2.6-2.9 / 3.7 ms against 3.3 / 4.1; two pieces ahead or 32-row pieces less; prefetcht1 alike;
 // - versus_ggml, 7 rounds, 2 / 1 threads: 9216x2560 Q4_0 at 2 / 4 rows 1.20-1.21x / 1.11-1.13x,
 //   Q8_0 (2720-byte rows) at 2 / 4 / 8 rows 0.96-1.08x / 1.02-1.07x / 1.12-1.14x, 3584x1024 and
-//   1024x1024 at 8 rows 0.97-1.30x (from 0.93x for Q4_0 1024x1024 on the graph);
+//   1024x1024 at 8 rows 0.97-1.30x (from 0.93x for Q4_0 1024x1024 on the graph); Q5_0 / IQ4_NL
+//   (one side per process, 2 threads) 9216x2560 at 2 rows 1.13-1.27x, at 8 0.94-1.04x;
 // - rows of 3808 bytes (Q8_0 1024x3584) 0.92x prefetched, 0.98-1.01x not; 5184-byte rows (Q4_0
 //   2560x9216) 2.3-2.4 ms prefetched at any distance or level against 2.1 unprefetched: the
 //   prefetchers stream those rows themselves, and these stay at ggml's op's speed (0.94-0.98x in
