@@ -415,8 +415,8 @@ def test_few_rows_dot_products_equal_ggml_graph(gq, t, shape_m, threads):
 # From 2 to 8 activation rows the types ggml-cpu hands to llamafile's sgemm (Q4_0, Q5_0, Q8_0, IQ4_NL)
 # run that sgemm on pieces of whole 4-row tiles inside the dot products' runs (quantization_cpu.cpp,
 # sgemm_rows_range): the same bits as ggml's own op, on 1 and 2 threads. 513 rows leave the last
-# piece a single row, 2048 columns make rows the Intel prefetch takes, 9216 rows it does not (Q4_0
-# 5184 bytes), 256 columns short rows.
+# piece a single row, 2048 columns make rows the Intel prefetch takes, 9216 columns ones it does not (Q4_0
+# 5184 bytes), 256 columns short rows. A Q4_K sibling in the same group's runs keeps its own bits.
 @pytest.mark.parametrize("shape", [(513, 2048), (64, 9216), (200, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("t", [2, 6, 8, 20], ids=lambda t: TYPE_IDS[t])
@@ -427,16 +427,18 @@ def test_few_rows_sgemm_pieces_equal_ggml_op(gq, t, shape, threads):
         pytest.skip("llama.cpp's ggml for this CPU is the reference (the baseline level has no sgemm)")
     rows, cols = shape
     blocks, cols = make_weights(gq, t, rows=rows, cols=cols, seed=rows + t)
+    q4_k, _ = make_weights(gq, 12, rows=37, cols=cols, seed=t)  # a vec_dot sibling in the same runs
     x = torch.randn(8, cols, generator=torch.Generator().manual_seed(t))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         for m in (2, 3, 5, 8):
             few = gq.mul_mat_vec(blocks, x[:m], t, rows)
-            (grouped,) = gq.mul_mat_group([blocks, blocks[:7]], x[:m], [t, t], [rows, 7])[:1]
+            grouped, sibling = gq.mul_mat_group([blocks, q4_k], x[:m], [t, 12], [rows, 37])
             ggml = torch.from_numpy(ggml_ctypes.MulMat(blocks.numpy(), t, cols, m, threads)(x[:m].numpy()))
             torch.testing.assert_close(few, ggml.view(m, rows), rtol=0, atol=0)
             torch.testing.assert_close(grouped, few, rtol=0, atol=0)
+            torch.testing.assert_close(sibling, gq.mul_mat_vec(q4_k, x[:m], 12, 37), rtol=0, atol=0)
     finally:
         torch.set_num_threads(before)
 
