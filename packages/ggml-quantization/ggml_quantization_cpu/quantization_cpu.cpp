@@ -349,7 +349,19 @@ int64_t sgemm_piece_rows(int64_t row_bytes) {
 // out[j, r] = W[r] . x[j] for the rows [r0, r1) of one weight and every activation row j, with
 // ggml-cpu's vec_dot, in row order for each j: the rows are read from memory for the first and
 // from the cache for the others.
-void vec_dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1);
+void vec_dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
+  const int64_t ahead = prefetch_ahead();
+  const uint8_t* end = d.w + (r1 - 1) * d.stride + d.row_bytes;  // the range's last weight byte + 1
+  for (int64_t j = 0; j < d.m; ++j) {
+    const uint8_t* x = d.xq + j * d.x_stride;
+    float* out = d.out + j * d.out_stride;
+    for (int64_t i = r0; i < r1; ++i) {
+      const uint8_t* row = d.w + i * d.stride;
+      if (j == 0 && ahead > 0) prefetch_range(row + ahead, d.row_bytes, end);
+      d.vec_dot(static_cast<int>(k), out + i, 0, row, 0, x, 0, 1);
+    }
+  }
+}
 
 // The same with llamafile's sgemm (d.sgemm), which ggml's mul_mat runs for these types from 2 rows:
 // in pieces of sgemm_piece_rows, so that each piece's bytes can be asked for ahead. Where this
@@ -369,24 +381,11 @@ void sgemm_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
   }
 }
 
+// Rows [r0, r1) of d's products, on its kernel.
 void dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
   if (r0 >= r1) return;
   if (d.sgemm) return sgemm_rows_range(d, k, r0, r1);
   vec_dot_rows_range(d, k, r0, r1);
-}
-
-void vec_dot_rows_range(const DotRows& d, int64_t k, int64_t r0, int64_t r1) {
-  const int64_t ahead = prefetch_ahead();
-  const uint8_t* end = d.w + (r1 - 1) * d.stride + d.row_bytes;  // the range's last weight byte + 1
-  for (int64_t j = 0; j < d.m; ++j) {
-    const uint8_t* x = d.xq + j * d.x_stride;
-    float* out = d.out + j * d.out_stride;
-    for (int64_t i = r0; i < r1; ++i) {
-      const uint8_t* row = d.w + i * d.stride;
-      if (j == 0 && ahead > 0) prefetch_range(row + ahead, d.row_bytes, end);
-      d.vec_dot(static_cast<int>(k), out + i, 0, row, 0, x, 0, 1);
-    }
-  }
 }
 
 // Piece t of `pieces` of the products `dots` (`total` bytes of weights): the weights laid
