@@ -230,14 +230,15 @@ def bench(session: nox.Session) -> None:
     bench-results/versus-ggml.md. Also bench-results/metal-emu.md: ops on the emulated Metal device
     (tools/bench/metal_emu.py).
     -- --quick: fewer workloads and calls; -- <package> ... (or metal-emu): only those; -- --threads N;
-    -- --only REGEX: the ours-vs-ggml rounds' workloads whose `<Op>.<workload>` it matches.
+    -- --only REGEX: the ours-vs-ggml rounds' workloads whose `<Op>.<workload>` it matches;
+    -- --controls: those rounds also time each side against a second instance of itself (A/A).
     -- --check: only the ours-vs-ggml rounds, exiting non-zero where a product (ggml-quantization) or
     norm (ggml-norm) workload is below 0.95x ggml on this machine (a verdict to run on a new CPU)."""
     _install(session, TORCH[0], *TEST_DEPS, f"transformers=={TRANSFORMERS[0]}")
     _install_llama_cpp(session)
     _build(session)
     quick, check = "--quick" in session.posargs, "--check" in session.posargs
-    options = [a for a in session.posargs if a in ("--quick", "--check")]
+    options = [a for a in session.posargs if a in ("--quick", "--check", "--controls")]
     wanted = [a for a in session.posargs if a not in options]
     for flag in ("--threads", "--only"):  # the ours-vs-ggml rounds' options with a value
         if flag in wanted:

@@ -307,6 +307,31 @@ def test_measure_checks_both_outputs_before_timing():
     assert (row.op, row.workload, row.rounds) == ("_Op", "w", 3) and row.ratio > 0
 
 
+def test_controls_time_each_side_against_itself():
+    settings = vg.Settings(rounds=3, warmup=1, block_ms=0.01, controls=True)
+    row = vg.measure(vg.Pair("_Op", _Op, _Op, ["w"]), None, "w", settings)
+    assert row.ours_aa > 0 and row.ggml_aa > 0
+    plain = vg.measure(vg.Pair("_Op", _Op, _Op, ["w"]), None, "w", vg.Settings(rounds=1, warmup=1, block_ms=0.01))
+    assert plain.ours_aa is None and plain.ggml_aa is None
+
+
+def test_markdown_shows_the_controls_where_measured():
+    info = {"cpu": "CPU", "cores": "2", "cpus": "2", "threads": "2", "torch": "2.13.0", "date": "2026-12-07", "load": "0.1"}
+    row = _row("ggml-quantization", 0.97)
+    row.ours_aa, row.ggml_aa = 1.01, 0.99
+    text = vg.markdown([row], info, "cmd")
+    assert "| ggml / ours | verdict | ours A/A | ggml A/A |" in text
+    assert "| Op | w | 1.000 | 0.970 | 0.97x | ok | 1.01x | 0.99x |" in text
+    assert "A/A" not in vg.markdown([_row("ggml-quantization", 0.97)], info, "cmd")
+
+
+def test_controls_option_reaches_the_settings(synthetic, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(vg, "run_package", lambda package, settings, log=None, only=None: seen.setdefault("s", settings) and [])
+    vg.main(["ggml-attn", "--controls", "--rounds", "4"])
+    assert seen["s"].controls and seen["s"].rounds == 4
+
+
 def test_every_judged_package_has_ggml_pairs():
     """The scripts of the judged packages define <Op>_ggml classes (import only, nothing runs)."""
     if not ggml_ctypes.available():

@@ -12,7 +12,13 @@ timed, then k calls of the other, and the order is swapped every round, so a nei
 clock change lands on both sides. Reported per workload: the median over rounds of
 (ggml's time / ours) -- above 1 ours is faster -- and each side's median ms per call.
 
-    python -m tools.bench.versus_ggml [PACKAGE ...] [--check] [--quick] [--threads N] [--output FILE]
+--controls also times each side against a second instance of itself (A/A: the same class set up
+again, reading the same weight copies), in the same alternating rounds: the ratio that the harness
+alone gives on this machine for that workload, printed beside each ggml / ours. A pair of sides
+that run the same code reads 1.00x only within that spread; the verdict still judges ggml / ours.
+
+    python -m tools.bench.versus_ggml [PACKAGE ...] [--check] [--quick] [--controls] [--threads N]
+        [--rounds R] [--only REGEX] [--output FILE]
 
 --check is a benchmark verdict for a maintainer on a new CPU, not a test: it exits 1 when a product
 (ggml-quantization) or norm (ggml-norm) workload is below 0.95x ggml; the other ops are reported and
@@ -36,7 +42,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tools import REPO
@@ -55,6 +61,7 @@ class Settings:
     warmup: int = 3
     block_ms: float = 20.0  # each side's k calls of a round last about this long
     max_calls: int = 2000
+    controls: bool = False  # also each side against itself (A/A)
 
 
 QUICK = Settings(rounds=5, warmup=2, block_ms=8.0)
@@ -164,6 +171,8 @@ class Row:
     ratio: float
     rounds: int = 0
     calls: int = 0
+    ours_aa: float | None = None  # --controls: a second instance of ours / ours (median over rounds)
+    ggml_aa: float | None = None  # ... and of ggml's / ggml's
 
     @property
     def judged(self) -> bool:
@@ -245,7 +254,21 @@ def measure(pair: Pair, kernel, workload: str, settings: Settings) -> Row:
     calls = calls_per_block(max(warm), settings)
     idle_ggml_threads()
     timing = alternate(run_ours, run_ggml, settings.rounds, calls, between=idle_ggml_threads)
-    return Row("", pair.op, workload, timing.ours_median, timing.ggml_median, timing.ratio, settings.rounds, calls)
+    row = Row("", pair.op, workload, timing.ours_median, timing.ggml_median, timing.ratio, settings.rounds, calls)
+    if settings.controls:
+        row.ours_aa = self_ratio(pair.ours, kernel, workload, run_ours, settings.rounds, calls)
+        row.ggml_aa = self_ratio(pair.ggml, kernel, workload, run_ggml, settings.rounds, calls)
+    return row
+
+
+def self_ratio(cls: type, kernel, workload: str, run: Callable[[], object], rounds: int, calls: int) -> float:
+    """A/A: a second instance of cls set up for `workload`, timed against `run` (the first) in the
+    same alternating rounds; the median of its time / the first's."""
+    _, run_again = prepared(cls, kernel, workload)
+    for _ in range(2):
+        run_again()
+    idle_ggml_threads()
+    return alternate(run, run_again, rounds, calls, between=idle_ggml_threads).ratio
 
 
 def selected(pair: Pair, only: re.Pattern | None) -> list[str]:
@@ -269,8 +292,9 @@ def run_package(package: str, settings: Settings, log=sys.stderr, only: re.Patte
             for workload in selected(pair, only):
                 row = measure(pair, kernel, workload, settings)
                 row.package = package
+                controls = "" if row.ours_aa is None else f", A/A ours {row.ours_aa:.2f}x, ggml {row.ggml_aa:.2f}x"
                 print(f"  {package} {pair.op}.{workload}: ours {row.ours_ms:.4f} ms, ggml {row.ggml_ms:.4f} ms, "
-                      f"ggml / ours {row.ratio:.2f}x ({row.rounds} rounds of {row.calls})", file=log, flush=True)
+                      f"ggml / ours {row.ratio:.2f}x ({row.rounds} rounds of {row.calls}){controls}", file=log, flush=True)
                 rows.append(row)
     return rows
 
@@ -306,18 +330,28 @@ def _ms(v: float) -> str:
 
 
 def markdown(rows: list[Row], info: dict[str, str], command: str, threshold: float = THRESHOLD) -> str:
+    controls = any(r.ours_aa is not None for r in rows)
     lines = [f"{info['date']}, {info['cpu']} ({info['cores']} cores, {info['cpus']} logical CPUs), "
              f"{info['threads']} threads for both, torch {info['torch']}, load average {info['load']} at the start "
              f"(`{command}`). Median over alternating rounds of ggml's time / ours (above 1: ours is faster) and "
-             f"each side's median ms per call; products and norms are judged against {threshold:.2f}x.", ""]
+             f"each side's median ms per call; products and norms are judged against {threshold:.2f}x."
+             + (" A/A: each side against a second instance of itself, the harness's own spread." if controls else ""),
+             ""]
+    head = "| op | workload | ours ms | ggml ms | ggml / ours | verdict |" + (" ours A/A | ggml A/A |" if controls else "")
     for package in dict.fromkeys(r.package for r in rows):
         judged = JUDGED.get(package)
         lines += [f"**{package}**" + (f" ({judged}s judged)" if judged else " (reported, not judged)"), "",
-                  "| op | workload | ours ms | ggml ms | ggml / ours | verdict |", "|---|---|---:|---:|---:|---|"]
-        lines += [f"| {r.op} | {r.workload} | {_ms(r.ours_ms)} | {_ms(r.ggml_ms)} | {r.ratio:.2f}x | "
-                  f"{r.verdict(threshold)} |" for r in rows if r.package == package]
+                  head, "|---|---|---:|---:|---:|---|" + ("---:|---:|" if controls else "")]
+        lines += [_table_row(r, threshold, controls) for r in rows if r.package == package]
         lines.append("")
     return "\n".join(lines)
+
+
+def _table_row(r: Row, threshold: float, controls: bool) -> str:
+    line = f"| {r.op} | {r.workload} | {_ms(r.ours_ms)} | {_ms(r.ggml_ms)} | {r.ratio:.2f}x | {r.verdict(threshold)} |"
+    if controls:
+        line += "".join(f" {'-' if aa is None else f'{aa:.2f}x'} |" for aa in (r.ours_aa, r.ggml_aa))
+    return line
 
 
 def summary(rows: list[Row], threshold: float = THRESHOLD) -> str:
@@ -347,6 +381,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--quick", action="store_true", help=f"the scripts' quick workloads ({QUICK_ENV}=1), fewer rounds")
     ap.add_argument("--threads", type=int, help="torch's (and so ggml's) thread count (default: torch's)")
     ap.add_argument("--rounds", type=int, help="alternating rounds per workload (default 9, quick 5)")
+    ap.add_argument("--controls", action="store_true",
+                    help="also time each side against a second instance of itself (A/A), beside each ratio")
     ap.add_argument("--threshold", type=float, default=THRESHOLD, help="the verdict's ggml / ours floor (0.95)")
     ap.add_argument("--output", type=Path, help="write the markdown here too")
     ap.add_argument("--command", help="the command quoted in the caption (default: this one)")
@@ -369,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[QUICK_ENV] = "1"  # the scripts read it when imported
     settings = QUICK if quick else Settings()
     if args.rounds:
-        settings = Settings(args.rounds, settings.warmup, settings.block_ms, settings.max_calls)
+        settings = replace(settings, rounds=args.rounds)
+    if args.controls:
+        settings = replace(settings, controls=True)
     import torch
 
     from tools.testing import ggml_ctypes
