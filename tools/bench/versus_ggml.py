@@ -256,19 +256,19 @@ def measure(pair: Pair, kernel, workload: str, settings: Settings) -> Row:
     timing = alternate(run_ours, run_ggml, settings.rounds, calls, between=idle_ggml_threads)
     row = Row("", pair.op, workload, timing.ours_median, timing.ggml_median, timing.ratio, settings.rounds, calls)
     if settings.controls:
-        row.ours_aa = self_ratio(pair.ours, kernel, workload, run_ours, settings.rounds, calls)
-        row.ggml_aa = self_ratio(pair.ggml, kernel, workload, run_ggml, settings.rounds, calls)
+        row.ours_aa = self_ratio(pair.ours, kernel, workload, run_ours, settings, calls)
+        row.ggml_aa = self_ratio(pair.ggml, kernel, workload, run_ggml, settings, calls)
     return row
 
 
-def self_ratio(cls: type, kernel, workload: str, run: Callable[[], object], rounds: int, calls: int) -> float:
-    """A/A: a second instance of cls set up for `workload`, timed against `run` (the first) in the
-    same alternating rounds; the median of its time / the first's."""
+def self_ratio(cls: type, kernel, workload: str, run: Callable[[], object], settings: Settings, calls: int) -> float:
+    """A/A: a second instance of cls set up for `workload`, warmed up as measure() warms the pair,
+    timed against `run` (the first) in the same alternating rounds; the median of its time / the first's."""
     _, run_again = prepared(cls, kernel, workload)
-    for _ in range(2):
+    for _ in range(settings.warmup):
         run_again()
     idle_ggml_threads()
-    return alternate(run, run_again, rounds, calls, between=idle_ggml_threads).ratio
+    return alternate(run, run_again, settings.rounds, calls, between=idle_ggml_threads).ratio
 
 
 def selected(pair: Pair, only: re.Pattern | None) -> list[str]:
