@@ -347,9 +347,9 @@ int64_t sgemm_piece_rows(int64_t row_bytes) {
 }
 
 // The weight's last byte + 1, where the prefetches stop: they run on past a range's end into the
-// rows after it, the thread's next chunk (DotRuns) but at the end of its run. Stopped at the range's
-// end instead, each 64 KiB chunk began unprefetched. Intel Xeon (AVX-512 + AMX, 2 vCPUs), the
-// same build switched in one process, 11 rounds (2026-12-07), faster by, 1 / 2 threads: Q8_0
+// rows after it, the thread's next chunk (DotRuns) but at the end of its run. Stopped at the
+// range's end instead, each 64 KiB chunk began unprefetched. Intel Xeon (AVX-512 + AMX, 2 vCPUs),
+// the same build switched in one process, 11 rounds (2026-12-07), faster by, 1 / 2 threads: Q8_0
 // 9216x2560 at 2 rows 1.06 / 1.08x; Q4_0 9216x2560 at 1 row 1.04 / 0.98x, at 2 rows 1.02 / 1.01x;
 // Q4_K at one row 9216x2560 1.02 / 1.01x, 3584x1024 1.00 / 0.98x; Q8_0 2560x9216 at 2 rows
 // (sgemm's long rows, not prefetched) 1.00 / 1.00x.
