@@ -1,5 +1,6 @@
 #include "ggml_torch.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
@@ -9,6 +10,16 @@
 #include <utility>
 
 namespace ggml_kernels {
+
+at::Tensor new_tensor_like(const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
+  if (like.is_cpu()) return at::Tensor(at::detail::empty_cpu(shape, dtype));
+  return at::empty(shape, like.options().dtype(dtype));
+}
+
+at::Tensor float32_contiguous(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t;
+  return t.to(at::kFloat).contiguous();
+}
 
 // ---------------------------------------------------------------------------------------------
 // checks

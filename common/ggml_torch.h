@@ -67,6 +67,18 @@ ggml_type ggml_type_of(at::ScalarType dtype);
 // GGUF's spelling of a type name ("Q4_K"; ggml itself says "q4_K").
 std::string type_name(ggml_type type);
 
+// ---- op outputs and inputs without a trip through torch's dispatcher ----
+// Each torch op an op calls inside (at::empty, Tensor::to, view) goes through the dispatcher:
+// ~0.3 us warm, several times that once a weight's stream has emptied the caches, against a decode
+// step's whole product of ~2 us (a 4x256 Q8_0 weight, one row: 2.73 -> 1.97 us a call without
+// them, Intel Xeon, 2026-12-07).
+
+// An uninitialised tensor of `shape` and `dtype` on like's device: on the CPU allocated directly
+// (at::detail::empty_cpu), elsewhere by at::empty.
+at::Tensor new_tensor_like(const at::Tensor& like, at::IntArrayRef shape, at::ScalarType dtype);
+// t as contiguous float32: t itself when it already is, else a converted copy.
+at::Tensor float32_contiguous(const at::Tensor& t);
+
 // ---- one ggml graph whose leaves view torch tensors ----
 
 // Memory a Graph's backend gave its intermediate results, held as long as the Graph.

@@ -75,10 +75,10 @@ void plus_one_f32(const T* __restrict__ w, float* __restrict__ out, int64_t n) {
 // w's device: an MPS build binds only torch storages, never host memory of ours). On the CPU 1 + w
 // is a loop into a new tensor: at::add's setup alone (~3 us) cost more than a decode step's norm.
 at::Tensor f32_vector(const at::Tensor& w, bool plus_one) {
-  if (!plus_one) return w.to(at::kFloat).contiguous();
+  if (!plus_one) return float32_contiguous(w);
   if (!w.is_cpu()) return (w.to(at::kFloat) + 1).contiguous();
   const at::Tensor src = w.contiguous();
-  at::Tensor out = at::empty({src.numel()}, src.options().dtype(at::kFloat));
+  at::Tensor out = new_tensor_like(src, {src.numel()}, at::kFloat);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, src.scalar_type(), "ggml_norm_plus_one",
       [&] { plus_one_f32(src.const_data_ptr<scalar_t>(), out.data_ptr<float>(), src.numel()); });
@@ -158,7 +158,7 @@ at::Tensor norm_ops::rms_norm(const at::Tensor& x, const std::optional<at::Tenso
                                        ? at::promote_types(x.scalar_type(), weight->scalar_type())
                                        : x.scalar_type();
   check_size(x.sizes(), out_dtype, "the output");  // (a promoted dtype may double x's size)
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  at::Tensor out = new_tensor_like(x, x.sizes(), out_dtype);
   if (x.numel() == 0) return out;
 
   const Rows x_rows(x), out_rows(out);
@@ -189,7 +189,7 @@ at::Tensor norm_ops::rms_norm_gated(const at::Tensor& x, const at::Tensor& z,
   TORCH_CHECK_VALUE(z.sizes() == x.sizes(), "z (the gate) must have x's shape ", x.sizes(),
                     ", got ", z.sizes());
   check_vector(weight, n, "weight");
-  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor out = new_tensor_like(x, x.sizes(), x.scalar_type());
   if (x.numel() == 0) return out;
 
   const Rows x_rows(x), z_rows(z), out_rows(out);
@@ -222,7 +222,7 @@ at::Tensor norm_ops::l2_norm(const at::Tensor& x, double eps, c10::string_view m
                     "l2_norm) or \"rsqrt\" (x / sqrt(||x||^2 + eps), transformers' l2norm), got \"",
                     std::string(mode), "\"");
   const int64_t n = x.size(-1);
-  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor out = new_tensor_like(x, x.sizes(), x.scalar_type());
   if (x.numel() == 0) return out;
 
   const Rows x_rows(x), out_rows(out);

@@ -101,7 +101,7 @@ at::Tensor activations_for(const at::Tensor& xf, ggml_type type) {
   TORCH_CHECK(from_float != nullptr, "ggml-kernels: no activation converter for ", type_name(vdt));
   const int64_t k = xf.size(-1), m = xf.numel() / k;  // xf: contiguous float32 rows (..., K)
   const int64_t rs = static_cast<int64_t>(G.ggml_row_size(vdt, k));
-  auto q = at::empty({m, rs}, xf.options().dtype(at::kByte));
+  auto q = new_tensor_like(xf, {m, rs}, at::kByte);
   const float* src = xf.data_ptr<float>();
   uint8_t* dst = q.data_ptr<uint8_t>();
   at::parallel_for(0, m, std::max<int64_t>(1, (int64_t{1} << 15) / k), [&](int64_t r0, int64_t r1) {
@@ -422,7 +422,11 @@ constexpr int64_t kDotChunkBytes = int64_t{1} << 16;
 // alternating against ggml's op (2026-12-06): Q4_K 9216x2560 / 2560x9216 / 3584x1024 /
 // 1024x3584 0.84 / 0.81 / 0.80 / 0.85x with one fixed run per thread, 0.90 / 0.91 / 1.00 / 0.95x
 // with the others' chunks taken; Q4_0 0.85-0.93x -> 0.96-1.05x; Q6_K and Q8_0 unchanged
-// (0.93-1.07x). Where both threads start together it reads as one run each.
+// (0.93-1.07x). Where both threads start together it reads as one run each. On one thread there is
+// nobody to take chunks: the run is one range, so sgemm's types make one call instead of one per
+// chunk (2560x9216 Q4_0 / Q8_0 at 2-8 rows: 202 / 382 calls). With mul_mat's torch-op-free path
+// (new_tensor_like, float32_contiguous) 1.003-1.015x faster there on one thread: the same build
+// switched in one process, 11 rounds, Intel Xeon (2026-12-07).
 class DotRuns {
  public:
   DotRuns(const std::vector<DotRows>& dots, int64_t k, int64_t total, int64_t threads)
@@ -430,7 +434,7 @@ class DotRuns {
         k_(k),
         total_(total),
         threads_(threads),
-        chunks_(std::max<int64_t>(1, total / threads / kDotChunkBytes)),
+        chunks_(threads == 1 ? 1 : std::max<int64_t>(1, total / threads / kDotChunkBytes)),
         next_(std::make_unique<std::atomic<int64_t>[]>(threads)) {}
 
   // Thread t's work: its own run, then what is left of the others'.
@@ -458,9 +462,9 @@ void direct_dot_rows(const std::vector<DotRows>& dots, int64_t k, int64_t m) {
   run_shares(threads, [&](int64_t t) { runs.work(t); });
 }
 
-// xq: (m, row_size) activations quantized; out2: (m, N) float32 with a dense last dim.
-DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq,
-                 const at::Tensor& out2) {
+// xq: (m, row_size) activations quantized; out: (m, N) float32 rows out_stride floats apart.
+DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq, float* out,
+                 int64_t out_stride) {
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
   return {static_cast<const uint8_t*>(blocks.data_ptr()),
           blocks.stride(0),
@@ -470,11 +474,17 @@ DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq,
           static_cast<const uint8_t*>(xq.data_ptr()),
           xq.stride(0),
           xq.size(0),
-          out2.data_ptr<float>(),
-          out2.stride(0),
+          out,
+          out_stride,
           type,
           traits->vec_dot_type,
           takes_sgemm_pieces(type, xq.size(0))};
+}
+
+// The same into an (m, N) float32 tensor with a dense last dim.
+DotRows dot_rows(const at::Tensor& blocks, ggml_type type, const at::Tensor& xq,
+                 const at::Tensor& out2) {
+  return dot_rows(blocks, type, xq, out2.data_ptr<float>(), out2.stride(0));
 }
 
 // (token, expert) pairs up to which mul_mat_id calls the dot products itself, as mul_mat does for
@@ -776,10 +786,15 @@ at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_i
   const auto [st, k] = check_weight(blocks, type_id, out_features, x, "blocks");
   const ggml_type type = st.type;
   const int64_t m = x.numel() / k;  // x (..., K): m rows, out (..., N)
-  auto out = at::empty(rows_shape(x, out_features), x.options().dtype(at::kFloat));
+  auto out = new_tensor_like(x, rows_shape(x, out_features), at::kFloat);
   if (m == 0 || out_features == 0) return out;
 
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
+  if (!st.repacked && takes_dot_rows(type, m, blocks.size(1))) {  // a decode step's: no views
+    const at::Tensor xq = activations_for(xf, type);
+    direct_dot_rows({dot_rows(blocks, type, xq, out.data_ptr<float>(), out_features)}, k, m);
+    return out;
+  }
   const at::Tensor out2 = out.view({m, out_features});
   if (st.repacked) {
     mul_mat_repacked(blocks, type, k, xf.view({m, k}), out2);
@@ -787,10 +802,6 @@ at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_i
   }
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
-  if (takes_dot_rows(type, m, blocks.size(1))) {
-    direct_dot_rows({dot_rows(blocks, type, xq, out2)}, k, m);
-    return out;
-  }
   if (m <= kShareRows && reads_quantized_x(type)) {
     few_rows_products({{blocks, type, false, xq, traits->vec_dot_type, out2}}, k, m);
     return out;
@@ -844,8 +855,8 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
       outs[i] = mul_mat(blocks[i], x, type_ids[i], out_features[i]);
       continue;
     }
-    if (!xf.defined()) xf = x.to(at::kFloat).contiguous();
-    outs[i] = at::empty(rows_shape(x, out_features[i]), x.options().dtype(at::kFloat));
+    if (!xf.defined()) xf = float32_contiguous(x);
+    outs[i] = new_tensor_like(x, rows_shape(x, out_features[i]), at::kFloat);
     const at::Tensor out2 = outs[i].view({m, out_features[i]});
     if (st.repacked) {
       few.push_back({blocks[i], st.type, true, xf.view({m, x.size(-1)}), GGML_TYPE_F32, out2});
@@ -884,10 +895,10 @@ at::Tensor mul_mat_id(const at::Tensor& blocks, const at::Tensor& x, const at::T
   const int64_t k = check_experts(blocks, type, out_features, x, ids);
   const int64_t experts = blocks.size(0);
   const int64_t t = x.size(0), n_ids = ids.size(1);
-  auto out = at::empty({t, n_ids, out_features}, x.options().dtype(at::kFloat));
+  auto out = new_tensor_like(x, {t, n_ids, out_features}, at::kFloat);
   if (t == 0 || n_ids == 0 || out_features == 0) return out;
 
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   const at::Tensor xq = activations_for(xf, type);  // once, shared by every slice
   const auto* traits = ggml().ggml_get_type_traits_cpu(type);
   const ggml_type vdt = traits->vec_dot_type;
