@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import platform
 import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,13 +185,12 @@ def _for_backend(folder: Path, backend: str) -> Path:
 
 
 def builds(backend: str = "cpu") -> dict[str, Path]:
-    """Hub id -> kernel folder, for each of `HUB_IDS` that has a `backend` build for this torch."""
+    """Hub id -> kernel folder, for each of `HUB_IDS` that has a `backend` build for this torch. A
+    `GGML_KERNELS_BUILDS` entry that gives none (a mistyped path, a package not built for this
+    torch or backend) is passed over with a UserWarning that names it and what is used instead."""
     backend_of(backend)
-    sources = [
-        _entries(os.environ.get(BUILDS_ENV)),
-        _entries(os.environ.get("LOCAL_KERNELS")),
-        _entries(str(CHECKOUT_PACKAGES)),
-    ]
+    named = _entries(os.environ.get(BUILDS_ENV))
+    sources = [named, _entries(os.environ.get("LOCAL_KERNELS")), _entries(str(CHECKOUT_PACKAGES))]
     out = {}
     for repo_id in HUB_IDS:
         for source in sources:
@@ -199,7 +199,22 @@ def builds(backend: str = "cpu") -> dict[str, Path]:
             if folder is not None and variant_dir(folder, backend) is not None:
                 out[repo_id] = folder
                 break
+    _warn_unused_entries(named, out, backend)
     return out
+
+
+def _warn_unused_entries(named: dict[str, Path], used: dict[str, Path], backend: str) -> None:
+    """A UserWarning for each `GGML_KERNELS_BUILDS` entry `builds` could not take."""
+    variant = backend_of(backend).variant()
+    for repo_id, folder in named.items():
+        if repo_id in HUB_IDS and used.get(repo_id) != _for_backend(folder, backend):
+            instead = f"using {used[repo_id]}" if repo_id in used else "no other build was found"
+            warnings.warn(f"{BUILDS_ENV} names {folder} for {repo_id}, which holds no {backend} build for "
+                          f"{variant}: {instead}", UserWarning, stacklevel=3)
+    for entry in filter(None, os.environ.get(BUILDS_ENV, "").split(os.pathsep)):
+        if "=" not in entry and not _entries(entry):
+            warnings.warn(f"{BUILDS_ENV} entry {entry} is neither `<hub id>=<folder>` nor a package folder "
+                          "(one with a build.toml) or a folder of them: ignored", UserWarning, stacklevel=3)
 
 
 def not_found_message(backend: str = "cpu", missing: tuple[str, ...] = (QUANTIZATION,)) -> str:

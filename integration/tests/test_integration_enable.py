@@ -219,9 +219,17 @@ def test_builds_come_from_the_environment_first(tmp_path, monkeypatch):
     shutil.copytree(norm / "build", copy / "build")
     monkeypatch.setenv(locate.BUILDS_ENV, f"ggml-org/ggml-norm={copy}")
     assert locate.builds() == {"ggml-org/ggml-norm": copy}
+    # an entry that holds no build is passed over, with a warning naming it and what is used instead
     monkeypatch.setenv(locate.BUILDS_ENV, f"ggml-org/ggml-norm={tmp_path / 'empty'}")
     monkeypatch.setenv("LOCAL_KERNELS", f"ggml-org/ggml-norm={copy}")
-    assert locate.builds() == {"ggml-org/ggml-norm": copy}
+    with pytest.warns(UserWarning, match=f"names {tmp_path / 'empty'} for ggml-org/ggml-norm, .*: using {copy}"):
+        assert locate.builds() == {"ggml-org/ggml-norm": copy}
+    monkeypatch.delenv("LOCAL_KERNELS")
+    with pytest.warns(UserWarning, match="no other build was found"):
+        assert locate.builds() == {}
+    monkeypatch.setenv(locate.BUILDS_ENV, str(tmp_path / "mistyped"))
+    with pytest.warns(UserWarning, match="mistyped is neither"):
+        assert locate.builds() == {}
 
 
 @pytest.mark.slow

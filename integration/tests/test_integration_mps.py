@@ -82,10 +82,12 @@ def test_a_missing_darwin_variant_is_not_a_build(tmp_path, monkeypatch):
     (copy / "build.toml").write_text((package / "build.toml").read_text())
     monkeypatch.setenv(locate.BUILDS_ENV, str(copy))
     assert "ggml-org/ggml-norm" in locate.builds("cpu")
-    assert locate.builds("mps")["ggml-org/ggml-norm"] == package  # found further on, in this checkout
+    with pytest.warns(UserWarning, match=f"holds no mps build for {MPS.variant()}: using {package}"):
+        assert locate.builds("mps")["ggml-org/ggml-norm"] == package  # found further on, in this checkout
     monkeypatch.setattr(locate, "CHECKOUT_PACKAGES", tmp_path / "nothing")
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
-    assert "ggml-org/ggml-norm" not in locate.builds("mps")
+    with pytest.warns(UserWarning, match="no other build was found"):
+        assert "ggml-org/ggml-norm" not in locate.builds("mps")
     message = locate.not_found_message("mps", ("ggml-org/ggml-norm",))
     assert f"no mps build of ggml-org/ggml-norm for {MPS.variant()}" in message and "nox -s build-darwin" in message
 
