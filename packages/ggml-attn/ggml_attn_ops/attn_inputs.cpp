@@ -138,7 +138,7 @@ at::Tensor float32_sinks(const std::optional<at::Tensor>& sinks, int64_t hq) {
   TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == hq,
                     "sinks must hold one value per query head (", hq, "), got shape ",
                     sinks->sizes());
-  return sinks->to(at::kFloat).contiguous();
+  return float32_contiguous(*sinks);
 }
 
 at::Tensor dense_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }

@@ -134,9 +134,9 @@ class ConvCall {
         x_(x),
         state_(has_state_ ? *state : at::Tensor()),
         // (B, T, C) float32: the layer's float32 x (a transposed view of such rows) is not copied
-        rows_(x.transpose(1, 2).to(at::kFloat).contiguous()),
-        w_(weight.reshape({dims.C, dims.K}).to(at::kFloat).contiguous()),
-        bias_(has_bias_ ? bias->to(at::kFloat).contiguous() : at::Tensor()),
+        rows_(float32_contiguous(x.transpose(1, 2))),
+        w_(float32_contiguous(weight.reshape({dims.C, dims.K}))),
+        bias_(has_bias_ ? float32_contiguous(*bias) : at::Tensor()),
         // the K - 1 state columns the conv reads, as float32 (a view of a float32 state)
         head_(has_state_ && dims.K > 1
                   ? state->narrow(2, dims.W - (dims.K - 1), dims.K - 1).to(at::kFloat)

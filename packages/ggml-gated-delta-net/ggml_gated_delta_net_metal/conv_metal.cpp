@@ -33,10 +33,9 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_metal_impl(
   if (d.B > 0 && d.C > 0 && d.T > 0) {
     const auto& G = ggml();
     const at::Tensor sx = conv_input(x, state, d);  // {K - 1 + T, C, B}
-    const at::Tensor w = weight.reshape({d.C, d.K}).to(at::kFloat).contiguous();
-    const at::Tensor bias = bias_in.has_value() && bias_in->defined()
-                                ? bias_in->to(at::kFloat).contiguous()
-                                : at::Tensor();
+    const at::Tensor w = float32_contiguous(weight.reshape({d.C, d.K}));
+    const at::Tensor bias =
+        bias_in.has_value() && bias_in->defined() ? float32_contiguous(*bias_in) : at::Tensor();
     Graph g(12);
     ggml_tensor* y = G.ggml_ssm_conv(g.ctx(), g.view(sx), g.view(w));  // {C, T, B}
     if (bias.defined()) y = G.ggml_add(g.ctx(), y, g.view(bias));

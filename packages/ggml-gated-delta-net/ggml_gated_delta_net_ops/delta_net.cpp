@@ -461,8 +461,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_ops::gates(const at::Tensor& A_log, const
   if (rows == 0 || H == 0) return {g, beta};
   // Every tensor a graph reads is held by a name here until the graph has run (a temporary's
   // memory would be freed, possibly reused, before ggml reads it).
-  const at::Tensor A32 = A_log.to(at::kFloat).contiguous(),
-                   dt32 = dt_bias.to(at::kFloat).contiguous();
+  const at::Tensor A32 = float32_contiguous(A_log), dt32 = float32_contiguous(dt_bias);
   const at::Tensor a2 = a.reshape({rows, H}).contiguous(), b2 = b.reshape({rows, H}).contiguous();
   const auto& G = ggml();
   {  // g = softplus(a + dt_bias) * -exp(A_log)
@@ -496,7 +495,7 @@ at::Tensor gdn_ops::gated_rms_norm(const at::Tensor& x, const at::Tensor& gate,
   check_eps(eps);
   const at::Tensor x2 = x.reshape({rows, D}).contiguous(),
                    z2 = gate.reshape({rows, D}).contiguous();
-  const at::Tensor w32 = weight.to(at::kFloat).contiguous();
+  const at::Tensor w32 = float32_contiguous(weight);
   at::Tensor out = at::empty({rows, D}, x.options());
   parallel_chunks(rows, std::max<int64_t>(1, 16384 / D), 1, 1, [&](int64_t r0, int64_t r1) {
     const auto& G = ggml();

@@ -979,7 +979,7 @@ at::Tensor quantize(const at::Tensor& x, int64_t type_id,
   const at::Tensor im = checked_imatrix(imatrix, cols, type);
   auto out = at::empty({rows, rb}, x.options().dtype(at::kByte));
   if (rows == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   if (!is_float_type(type)) {
     TORCH_CHECK_VALUE(at::isfinite(xf).all().item<bool>(), "x contains NaN or infinity; ",
                       type_name(type), " cannot represent it");

@@ -83,7 +83,7 @@ at::Tensor mul_mat(const at::Tensor& blocks, const at::Tensor& x, int64_t type_i
   const int64_t m = x.numel() / k;
   auto out = at::empty(rows_shape(x, out_features), x.options().dtype(at::kFloat));
   if (m == 0 || out_features == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   Graph g(8);
   ggml_tensor* y = ggml().ggml_mul_mat(g.ctx(), g.packed(blocks, type, k), g.view(xf.view({m, k})));
   g.compute(y, out.view({m, out_features}));
@@ -108,7 +108,7 @@ std::vector<at::Tensor> mul_mat_group(at::TensorList blocks, const at::Tensor& x
   const int64_t k = x.size(-1), m = x.numel() / k;
   if (m == 0) return outs;
   // one graph: the weights' products share the uploaded activations and one command buffer
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   Graph g(static_cast<int>(3 * n + 4));
   ggml_tensor* xt = g.view(xf.view({m, k}));
   std::vector<ggml_tensor*> results;
@@ -129,7 +129,7 @@ at::Tensor mul_mat_id(const at::Tensor& blocks, const at::Tensor& x, const at::T
   const int64_t t = x.size(0), n_ids = ids.size(1);
   auto out = at::empty({t, n_ids, out_features}, x.options().dtype(at::kFloat));
   if (t == 0 || n_ids == 0 || out_features == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   const at::Tensor ids32 = ids.to(at::kInt).contiguous();
   const auto slots = slot_groups(n_ids);
   Graph g(static_cast<int>(4 * slots.size() + 4));

@@ -497,8 +497,7 @@ std::tuple<at::Tensor, at::Tensor> top_k_ggml(const at::Tensor& logits_in, int64
   auto idx32 = at::empty({rows, k}, logits_in.options().dtype(at::kInt));
   if (rows == 0) return {weights.to(logits_in.scalar_type()), idx32.to(at::kLong)};
 
-  const at::Tensor xf =
-      logits_in.to(at::kFloat).contiguous();  // ggml's soft_max takes float32 rows
+  const at::Tensor xf = float32_contiguous(logits_in);  // ggml's soft_max takes float32 rows
   refuse_rows_ggml_cannot_route(xf, softmax, "top_k_ggml");
   parallel_chunks(rows, min_rows_per_task(xf.size(1)), 1, 2, [&](int64_t r0, int64_t r1) {
     ggml_route_rows(xf, k, softmax, normalize, r0, r1, weights, idx32);

@@ -57,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor> top_k(const at::Tensor& logits, int64_t k, bo
   if (rows == 0)
     return {at::empty({0, k}, logits.options().dtype(wdt)),
             at::empty({0, k}, logits.options().dtype(idt))};
-  const at::Tensor xf = logits.to(at::kFloat).contiguous();  // ggml's soft_max takes float32 rows
+  const at::Tensor xf = float32_contiguous(logits);  // ggml's soft_max takes float32 rows
   refuse_rows_ggml_cannot_route(xf, softmax, "top_k");
   auto [weights, idx32] = route(xf, k, softmax, normalize);
   return {weights.to(wdt), idx32.to(idt)};
